@@ -1,0 +1,93 @@
+"""Argument checks shared by the public entry points.
+
+Each check raises :class:`~kernelattn_core.errors.InputError` whose message names
+the argument, what was expected and what came.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .errors import InputError
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_tensor(name: str, x: object, ndim: int | None = None, shape_doc: str = "") -> torch.Tensor:
+    """Check that ``x`` is a floating-point tensor with ``ndim`` dimensions."""
+    if not isinstance(x, torch.Tensor):
+        raise InputError(f"{name}: expected a torch.Tensor{shape_doc and ' ' + shape_doc}, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise InputError(
+            f"{name}: expected a floating-point tensor (float16, bfloat16, float32 or float64), "
+            f"got dtype {x.dtype}"
+        )
+    if ndim is not None and x.dim() != ndim:
+        raise InputError(
+            f"{name}: expected a {ndim}-D tensor{shape_doc and ' ' + shape_doc}, got shape {tuple(x.shape)}"
+        )
+    return x
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Check batched attention inputs ``q [B,H,N,d]``, ``k [B,H,M,d]``, ``v [B,H,M,dv]``."""
+    check_tensor("q", q, 4, "of shape [B, H, N, d]")
+    check_tensor("k", k, 4, "of shape [B, H, M, d]")
+    check_tensor("v", v, 4, "of shape [B, H, M, d_v]")
+    if k.dtype != q.dtype:
+        raise InputError(f"k: expected the dtype of q ({q.dtype}), got {k.dtype}")
+    if v.dtype != q.dtype:
+        raise InputError(f"v: expected the dtype of q ({q.dtype}), got {v.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise InputError(f"{name}: expected the device of q ({q.device}), got {t.device}")
+    if k.shape[-1] != q.shape[-1]:
+        raise InputError(
+            f"k: expected head dimension d = {q.shape[-1]} (the last dimension of q), got {k.shape[-1]} "
+            f"(q shape {tuple(q.shape)}, k shape {tuple(k.shape)})"
+        )
+    if k.shape[:2] != q.shape[:2]:
+        raise InputError(
+            f"k: expected batch and head dimensions [B, H] = {list(q.shape[:2])} as in q, got {list(k.shape[:2])}"
+        )
+    if v.shape[:3] != k.shape[:3]:
+        raise InputError(
+            f"v: expected leading dimensions [B, H, M] = {list(k.shape[:3])} as in k, got {list(v.shape[:3])}"
+        )
+    if q.shape[-1] == 0:
+        raise InputError("q: expected a head dimension d >= 1, got 0")
+
+
+def check_key_padding_mask(mask: object, batch: int, keys: int, device: torch.device) -> torch.Tensor | None:
+    """Check ``key_padding_mask [B, M]`` (bool, ``True`` = padded key, ignored)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise InputError(f"key_padding_mask: expected a bool tensor of shape [B, M], got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise InputError(
+            f"key_padding_mask: expected dtype torch.bool (True marks a padded key), got {mask.dtype}"
+        )
+    if tuple(mask.shape) != (batch, keys):
+        raise InputError(f"key_padding_mask: expected shape [B, M] = [{batch}, {keys}], got {list(mask.shape)}")
+    if mask.device != device:
+        raise InputError(f"key_padding_mask: expected device {device}, got {mask.device}")
+    return mask
+
+
+def check_positive_int(name: str, value: object, minimum: int = 1) -> int:
+    """Check that ``value`` is an int ``>= minimum`` (bools are rejected)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(f"{name}: expected an integer >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise InputError(f"{name}: expected an integer >= {minimum}, got {value}")
+    return value
+
+
+def check_choice(name: str, value: object, choices: Sequence[object]) -> object:
+    """Check that ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise InputError(f"{name}: expected one of {list(choices)}, got {value!r}")
+    return value

@@ -1,0 +1,66 @@
+"""The user-facing vocabulary: :func:`create` and :func:`list_plugins`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .builtins.estimators import ExactAttention, FeatureMapAttention, _construct
+from .interfaces import AttentionEstimator
+from .registry import get_registry
+
+
+def create(name: str, **options: Any) -> AttentionEstimator:
+    """A ready attention estimator from any registered name.
+
+    * an **estimator** name builds that estimator with ``options``;
+    * a **feature-map** name is wrapped in
+      :class:`~kernelattn_core.builtins.FeatureMapAttention` with the default
+      normaliser (``options`` go to it and to the map: ``num_features``, ``redraw_every``,
+      ``seed``, ``normalizer``, ...);
+    * a **kernel** name gives exact attention with that kernel
+      (:class:`~kernelattn_core.builtins.ExactAttention`).
+
+    The budget option is ``num_features`` for every estimator that has one (random
+    features, samples or landmarks), so one loop sweeps them all.
+
+    Examples
+    --------
+    >>> import kernelattn_core as ka
+    >>> ka.create("softmax")
+    ExactAttention(kernel=SoftmaxKernel(), scale=None)
+    >>> ka.create("elu").feature_map.name
+    'elu'
+    """
+    entry = get_registry().get(name)
+    if entry.kind == "estimator":
+        return _construct("estimator", entry.cls, f"create({name!r})", options)
+    if entry.kind == "feature_map":
+        return FeatureMapAttention(entry.name, **options)
+    if entry.kind == "kernel":
+        return ExactAttention(entry.name, **options)
+    from .errors import UnknownNameError
+
+    raise UnknownNameError(
+        f"create: {name!r} is a {entry.kind.replace('_', ' ')}, not an estimator, feature map or kernel; "
+        f"pass it as normalizer={name!r} to a feature-map estimator"
+    )
+
+
+def list_plugins() -> list[dict[str, Any]]:
+    """Each plugin with its distribution, version, registered classes and their
+    capability flags (the data behind ``kernelattn plugins``)."""
+    out = []
+    for info in get_registry().plugins():
+        out.append(
+            {
+                "plugin": info.name,
+                "distribution": info.distribution,
+                "version": info.version,
+                "classes": [
+                    {"name": e.name, "kind": e.kind, "class": f"{e.cls.__module__}.{e.cls.__qualname__}", **e.flags()}
+                    for e in info.entries
+                ],
+                "errors": list(info.errors),
+            }
+        )
+    return out

@@ -1,0 +1,9 @@
+"""Classes built into the core: the softmax kernel, exact attention, the
+``elu(x)+1`` feature map, the row normaliser and feature-map attention."""
+
+from .estimators import ExactAttention, FeatureMapAttention
+from .feature_maps import EluFeatureMap
+from .kernels import SoftmaxKernel
+from .normalizers import RowNormalizer
+
+__all__ = ["EluFeatureMap", "ExactAttention", "FeatureMapAttention", "RowNormalizer", "SoftmaxKernel"]

@@ -1,0 +1,215 @@
+"""Estimators built into the core: exact attention (the reference) and
+feature-map attention (linear in sequence length)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, ClassVar
+
+import torch
+
+from .._validation import check_positive_int
+from ..engine.backends import Problem, select_backend
+from ..engine.naive import allowed_pairs, kernel_attention_naive
+from ..engine.torch_backend import compute_dtype
+from ..errors import InputError
+from ..interfaces.estimator import AttentionEstimator
+from ..interfaces.feature_map import FeatureMap
+from ..interfaces.kernel import Kernel
+from ..interfaces.normalizer import Normalizer
+from ..redraw import RedrawPolicy
+
+
+def _construct(kind: str, cls: type, owner: str, options: dict[str, Any]) -> Any:
+    """``cls(**options)`` with an error that names unknown options and the accepted ones."""
+    params = inspect.signature(cls.__init__).parameters
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if not accepts_any:
+        accepted = [n for n, p in params.items() if n != "self" and p.kind is not inspect.Parameter.VAR_POSITIONAL]
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            raise InputError(
+                f"{owner}: unknown option(s) {unknown} for {kind} {getattr(cls, 'name', cls.__name__)!r}; "
+                f"accepted options: {accepted}"
+            )
+    return cls(**options)
+
+
+def resolve_kernel(kernel: Kernel | str, options: dict[str, Any]) -> Kernel:
+    if isinstance(kernel, Kernel):
+        if options:
+            raise InputError(f"kernel: options {sorted(options)} given with a Kernel instance; pass a name instead")
+        return kernel
+    from ..registry import get_registry
+
+    return _construct("kernel", get_registry().kernel(kernel), "kernel", options)
+
+
+class ExactAttention(AttentionEstimator):
+    """Exact kernelized attention (quadratic; the reference every estimator is
+    compared with).
+
+    .. math:: \\mathrm{out}_i = \\frac{\\sum_{j} K(q_i, k_j) v_j}{\\sum_{j} K(q_i, k_j)}
+
+    over the allowed keys ``j`` (causal and padding masks), on inputs scaled by
+    :math:`d^{-1/4}`. With the softmax kernel the weights are formed in log space
+    (row maximum over the allowed keys only, so causal rows never see later keys),
+    and the result equals ``scaled_dot_product_attention``.
+
+    Parameters
+    ----------
+    kernel : Kernel or str
+        The kernel, or its registry name; ``"softmax"`` by default.
+    scale : float, optional
+        See :class:`~kernelattn_core.interfaces.AttentionEstimator`.
+    **kernel_options
+        Passed to the kernel class when ``kernel`` is a name.
+    """
+
+    name: ClassVar[str] = "exact"
+    unbiased: ClassVar[bool] = True
+    consistent: ClassVar[bool] = True
+
+    def __init__(self, kernel: Kernel | str = "softmax", *, scale: float | None = None, **kernel_options: Any) -> None:
+        super().__init__(scale=scale)
+        self.kernel = resolve_kernel(kernel, kernel_options)
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        self.last_backend = "exact"
+        dtype = compute_dtype(q.dtype)
+        q, k, v32 = q.to(dtype), k.to(dtype), v.to(dtype)
+        logits = self.kernel.log_evaluate(q, k)  # [B, H, N, M] or None
+        if logits is None:
+            return kernel_attention_naive(self.kernel(q, k), v32, causal=causal, key_padding_mask=key_padding_mask).to(
+                v.dtype
+            )
+        allowed = allowed_pairs(q.shape[-2], k.shape[-2], causal, key_padding_mask, q.device)
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        top = logits.detach().amax(-1, keepdim=True)  # over allowed keys of the row only
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        w = (logits - top).exp()
+        den = w.sum(-1, keepdim=True)
+        out = (w @ v32) / torch.where(den == 0, torch.ones_like(den), den)
+        return out.to(v.dtype)
+
+    def extra_repr(self) -> str:
+        return f"kernel={self.kernel!r}, scale={self.scale}"
+
+
+class FeatureMapAttention(AttentionEstimator):
+    """Kernelized attention through a feature map, linear in sequence length.
+
+    .. math::
+        \\mathrm{out}_i = \\mathrm{post}\\left(
+        \\frac{\\phi_q(q_i)^\\top \\sum_j \\phi_k(k_j) v_j^\\top}{\\phi_q(q_i)^\\top \\sum_j \\phi_k(k_j)}
+        \\right), \\qquad (q, k) \\leftarrow \\mathrm{pre}(q, k)
+
+    The ratio is self-normalised: even when :math:`\\phi_q^\\top \\phi_k` is unbiased
+    for the kernel, the output is biased at finite ``num_features`` and consistent as
+    it grows.
+
+    Parameters
+    ----------
+    feature_map : FeatureMap or str
+        The map, or its registry name (then ``num_features`` and
+        ``**feature_map_options`` build it).
+    normalizer : Normalizer or str
+        ``"row"`` (plain row normalisation) by default.
+    num_features : int, optional
+        The feature budget :math:`D` (the map's default when ``None``).
+    head_dim : int, optional
+        Build the map now; otherwise on the first call.
+    redraw_every : int
+        Redraw the random features every this many training steps (0: never); frozen
+        in eval mode. See :class:`~kernelattn_core.redraw.RedrawPolicy`.
+    seed : int, optional
+        Seed of the redraw policy.
+    chunk_size : int
+        Chunk length of the causal form.
+    backend : str, optional
+        Force a backend by name (``"torch"``); the fastest available by default.
+    scale : float, optional
+        See :class:`~kernelattn_core.interfaces.AttentionEstimator`.
+    """
+
+    name: ClassVar[str] = "feature-map"
+    unbiased: ClassVar[bool] = False
+    consistent: ClassVar[bool] = True
+    random: ClassVar[bool] = True
+    has_budget: ClassVar[bool] = True
+    linear: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        feature_map: FeatureMap | str = "elu",
+        normalizer: Normalizer | str = "row",
+        *,
+        num_features: int | None = None,
+        head_dim: int | None = None,
+        redraw_every: int = 0,
+        seed: int | None = None,
+        chunk_size: int = 64,
+        backend: str | None = None,
+        scale: float | None = None,
+        **feature_map_options: Any,
+    ) -> None:
+        super().__init__(scale=scale)
+        from ..registry import get_registry
+
+        registry = get_registry()
+        if isinstance(feature_map, FeatureMap):
+            if num_features is not None or feature_map_options:
+                raise InputError(
+                    "feature_map: num_features and feature-map options go with a registry name, not an instance"
+                )
+            self.feature_map = feature_map
+        else:
+            options = dict(feature_map_options)
+            if num_features is not None:
+                options["num_features"] = num_features
+            self.feature_map = _construct("feature map", registry.feature_map(feature_map), "create", options)
+        if isinstance(normalizer, Normalizer):
+            self.normalizer = normalizer
+        else:
+            self.normalizer = registry.normalizer(normalizer)()
+        self.redraw_policy = RedrawPolicy(redraw_every, seed)
+        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        self.backend = backend
+        if head_dim is not None:
+            self.redraw_policy.initial(self.feature_map, head_dim)
+
+    @property
+    def num_features(self) -> int:
+        """The feature budget of the map."""
+        return self.feature_map.num_features
+
+    def transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scaled and pre-transformed ``(q, k)`` as the feature map sees them."""
+        import math
+
+        s = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        return self.normalizer.pre(q * math.sqrt(s), k * math.sqrt(s))
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        q, k = self.normalizer.pre(q, k)
+        fm = self.feature_map
+        if not fm.built:
+            self.redraw_policy.initial(fm, q.shape[-1])
+        self.redraw_policy.before_forward(fm, self.training)
+        phi_q = fm.raw_features(q, query=True)  # [B, H, N, D]
+        phi_k = fm.raw_features(k, query=False)  # [B, H, M, D]
+        problem = Problem(q.device, q.dtype, fm.log_space, causal, torch.is_grad_enabled())
+        backend = select_backend(problem, self.backend)
+        self.last_backend = backend.name
+        num, den = backend.load()(
+            phi_q,
+            phi_k,
+            v,
+            log_space=fm.log_space,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            chunk_size=self.chunk_size,
+        )
+        out = self.normalizer.post(self.normalizer.normalize(num, den))
+        return out.to(v.dtype)

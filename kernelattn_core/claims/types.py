@@ -1,0 +1,237 @@
+"""Claims: what a registered class promises, declared as data.
+
+A class lists its claims in its ``claims`` class attribute; the checkers in
+:mod:`kernelattn_core.verify` read them, and ``kernelattn verify`` and the
+conformance kit run them. Each claim type has a stable rule ID documented in
+``spec/claims.md``. IDs are never reused: a retired rule keeps its number.
+
+Rule families: ``FM`` feature maps, ``KN`` kernels, ``SP`` sampling
+distributions, ``AT`` attention estimators, ``HP`` high-precision identities.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+Options = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Base of every claim; ``rule`` is the stable ID, ``summary`` one line of prose."""
+
+    rule: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+
+    def describe(self) -> str:
+        return self.summary
+
+
+# --------------------------------------------------------------------------- feature maps
+@dataclass(frozen=True)
+class UnbiasedKernelEstimate(Claim):
+    """FM001: :math:`\\mathbb{E}[\\phi_q(x)^\\top \\phi_k(y)] = K(x, y)` on the declared domain.
+
+    Checked by Monte Carlo in float64: ``redraws`` independent draws (fixed seeds) of a
+    map with ``num_features`` features, at each head dimension in ``dims``, on
+    ``pairs`` point pairs with norms in ``norm_range`` (the scaled coordinates the
+    map sees); every pair's z-score must stay below a threshold whose false-failure
+    rate over all pairs is below 1e-6 (Bonferroni over pairs).
+
+    Parameters
+    ----------
+    dims : tuple of int
+        Head dimensions to test.
+    norm_range : (float, float)
+        Range of input norms :math:`|x|, |y|`.
+    num_features : int
+    options : mapping
+        Constructor options of the map (beside ``head_dim`` and ``num_features``).
+    inputs : callable, optional
+        ``(d, pairs, generator) -> (x, y)`` float64 tensors ``[pairs, d]`` on the
+        domain, replacing the default sampler (unit directions scaled into ``norm_range``).
+    """
+
+    rule: ClassVar[str] = "FM001"
+    summary: ClassVar[str] = "unbiased kernel estimate E[phi_q(x).phi_k(y)] = K(x, y)"
+    dims: tuple[int, ...] = (16, 64)
+    norm_range: tuple[float, float] = (0.2, 1.0)
+    num_features: int = 16
+    pairs: int = 8
+    redraws: int = 4000
+    options: Options = field(default_factory=dict)
+    inputs: Callable[..., Any] | None = None
+
+
+@dataclass(frozen=True)
+class PositiveFeatures(Claim):
+    """FM002: every feature is :math:`> 0` (implied by the ``positive`` flag; checked on
+    inputs of large norm and many draws)."""
+
+    rule: ClassVar[str] = "FM002"
+    summary: ClassVar[str] = "features are positive"
+    dims: tuple[int, ...] = (16,)
+    options: Options = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EstimateVariance(Claim):
+    """FM003: the variance of the single-pair estimate equals a closed form.
+
+    ``variance(x, y, feature_map)`` returns :math:`\\mathrm{Var}[\\phi_q(x)^\\top\\phi_k(y)]`
+    for ``x, y [pairs, d]`` (float64) and the built map (its ``num_features``). Checked
+    against the sample variance over ``redraws`` draws with a bound from the
+    standard error of a sample variance (fourth moments estimated from the data).
+    """
+
+    rule: ClassVar[str] = "FM003"
+    summary: ClassVar[str] = "single-pair variance equals the closed form"
+    variance: Callable[..., Any] | None = None
+    dims: tuple[int, ...] = (16,)
+    norm_range: tuple[float, float] = (0.2, 1.0)
+    num_features: int = 4
+    pairs: int = 6
+    redraws: int = 20000
+    options: Options = field(default_factory=dict)
+    inputs: Callable[..., Any] | None = None
+
+
+@dataclass(frozen=True)
+class ErrorDecay(Claim):
+    """FM004: kernel mean squared error falls as :math:`D^{\\text{slope}}` with the
+    feature count ``D`` (slope :math:`-1` for Monte Carlo features); the fitted log-log
+    slope must lie within ``tolerance`` of ``slope``."""
+
+    rule: ClassVar[str] = "FM004"
+    summary: ClassVar[str] = "kernel MSE falls as D^slope"
+    slope: float = -1.0
+    tolerance: float = 0.2
+    budgets: tuple[int, ...] = (8, 32, 128, 512)
+    dim: int = 16
+    norm_range: tuple[float, float] = (0.2, 1.0)
+    redraws: int = 200
+    options: Options = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SymbolicExpectation(Claim):
+    """FM005: the expectation of the single-feature estimator, computed symbolically,
+    simplifies to the kernel.
+
+    ``derive()`` returns ``(expectation, target, note)``: two SymPy expressions (the
+    expectation computed symbolically from the estimator's form, and the kernel's
+    closed form) and a line saying how the expectation was taken. The checker
+    verifies that ``simplify(expectation - target) == 0``.
+    """
+
+    rule: ClassVar[str] = "FM005"
+    summary: ClassVar[str] = "symbolic expectation of the estimator equals the kernel"
+    derive: Callable[[], tuple[Any, Any, str]] | None = None
+
+
+# --------------------------------------------------------------------------- kernels
+@dataclass(frozen=True)
+class MaclaurinCoefficients(Claim):
+    """KN001: ``coefficient(n)`` equals the Taylor coefficient of ``sympy_expr`` at 0,
+    exactly (rationals), for :math:`n \\le` ``order``."""
+
+    rule: ClassVar[str] = "KN001"
+    summary: ClassVar[str] = "Maclaurin coefficients equal SymPy's series exactly"
+    order: int = 24
+    options: Options = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NonNegativeCoefficients(Claim):
+    """KN002: :math:`a_n \\ge 0` for :math:`n \\le` ``order`` (Schoenberg: a positive-definite
+    dot-product kernel on every sphere)."""
+
+    rule: ClassVar[str] = "KN002"
+    summary: ClassVar[str] = "Maclaurin coefficients are non-negative"
+    order: int = 24
+    options: Options = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KernelMatchesExpression(Claim):
+    """KN003: the torch kernel equals its SymPy expression evaluated at 30 digits
+    (mpmath) on sample points, to ``digits`` significant digits in float64."""
+
+    rule: ClassVar[str] = "KN003"
+    summary: ClassVar[str] = "torch kernel equals its symbolic expression"
+    digits: int = 12
+    options: Options = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- sampling distributions
+@dataclass(frozen=True)
+class PmfSumsToOne(Claim):
+    """SP001: a probability mass function used for sampling sums to one exactly.
+
+    ``pmf(n)`` is a SymPy expression in the integer symbol ``n`` (free parameters,
+    such as ``p``, stay symbolic with the declared ``assumptions``); the checker sums
+    it over ``n >= start`` (and ``n <= stop`` when given) and simplifies the result.
+    """
+
+    rule: ClassVar[str] = "SP001"
+    summary: ClassVar[str] = "sampling pmf sums to one"
+    pmf: Callable[[Any], Any] | None = None
+    start: int = 0
+    stop: int | None = None
+    label: str = "pmf"
+
+
+# --------------------------------------------------------------------------- estimators
+@dataclass(frozen=True)
+class UnbiasedAttention(Claim):
+    """AT001: the attention output is an unbiased estimate of exact softmax attention
+    (randomized attention); Monte Carlo z-test in float64 over ``redraws`` draws."""
+
+    rule: ClassVar[str] = "AT001"
+    summary: ClassVar[str] = "attention output is unbiased for softmax attention"
+    dim: int = 4
+    seq_len: int = 6
+    num_features: int = 1
+    redraws: int = 4000
+    logit_std: float = 0.5
+    options: Options = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ConsistentAttention(Claim):
+    """AT002: error against exact softmax attention (and the bias, when
+    ``biased_at_finite_budget``) shrinks as ``num_features`` grows.
+
+    Self-normalised estimators are biased at finite budget: the claim says so with
+    ``biased_at_finite_budget=True``, and the checker then also shows that the bias at
+    the smallest budget is detectably non-zero.
+    """
+
+    rule: ClassVar[str] = "AT002"
+    summary: ClassVar[str] = "attention error and bias shrink as the budget grows"
+    biased_at_finite_budget: bool = True
+    budgets: tuple[int, ...] = (4, 64)
+    dim: int = 8
+    seq_len: int = 16
+    redraws: int = 400
+    logit_std: float = 0.5
+    options: Options = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- high precision
+@dataclass(frozen=True)
+class QuadratureIdentity(Claim):
+    """HP001: an identity without a SymPy closed form holds to ``digits`` digits.
+
+    ``evaluate(dps)`` computes ``(value, target, note)`` as mpmath numbers at ``dps``
+    decimal digits (typically by quadrature in one or two dimensions).
+    """
+
+    rule: ClassVar[str] = "HP001"
+    summary: ClassVar[str] = "high-precision identity"
+    evaluate: Callable[[int], tuple[Any, Any, str]] | None = None
+    label: str = ""
+    dps: int = 40
+    digits: int = 25

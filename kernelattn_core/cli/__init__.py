@@ -1,0 +1,1 @@
+"""The ``kernelattn`` command line: ``plugins``, ``compare``, ``verify``."""

@@ -1,0 +1,95 @@
+"""Time and peak tensor memory of a forward call, measured alike on every device.
+
+Peak memory counts the bytes of tensor storages that operators create while the
+call runs (a ``__torch_dispatch__`` mode sees every allocation, also inside
+composite operators) and releases them when the last tensor using them dies. Inputs
+that exist before the call are not counted. On CUDA the allocator's own peak
+counter is used instead.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class _PeakTensorMemory(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._live: dict[int, list[int]] = {}  # storage pointer -> [bytes, tensors alive]
+
+    def _release(self, ptr: int) -> None:
+        slot = self._live.get(ptr)
+        if slot is None:
+            return
+        slot[1] -= 1
+        if slot[1] == 0:
+            self.current -= slot[0]
+            del self._live[ptr]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"
+        }
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr in inputs or ptr == 0:
+                continue  # a view or in-place result: no new memory
+            slot = self._live.get(ptr)
+            if slot is None:
+                slot = self._live[ptr] = [storage.nbytes(), 0]
+                self.current += slot[0]
+                self.peak = max(self.peak, self.current)
+            slot[1] += 1
+            weakref.finalize(t, self._release, ptr)
+        return out
+
+
+def peak_memory(fn: Callable[[], Any], device: torch.device) -> int:
+    """Peak bytes of tensor memory allocated while ``fn()`` runs."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device) - base)
+    mode = _PeakTensorMemory()
+    with mode:
+        result = fn()
+    del result
+    return mode.peak
+
+
+def median_time(fn: Callable[[], Any], device: torch.device, repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in seconds over ``repeats`` calls after ``warmup``."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

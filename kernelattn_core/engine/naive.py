@@ -1,0 +1,71 @@
+"""Plain quadratic references, written to be read, not to be fast.
+
+Every fast path of the engine is tested against these on outputs and gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def allowed_pairs(
+    n: int, m: int, causal: bool, key_padding_mask: torch.Tensor | None, device: torch.device
+) -> torch.Tensor | None:
+    """Boolean ``[B or 1, 1, N, M]`` mask of the (query, key) pairs that may interact, or None."""
+    allowed = None
+    if causal:
+        allowed = torch.ones(n, m, dtype=torch.bool, device=device).tril()[None, None]  # [1, 1, N, M]
+    if key_padding_mask is not None:
+        keep = ~key_padding_mask[:, None, None, :]  # [B, 1, 1, M]
+        allowed = keep if allowed is None else allowed & keep
+    return allowed
+
+
+def feature_attention_naive(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    log_space: bool,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Numerator and denominator of feature-map attention by forming the full matrix.
+
+    .. math:: A_{ij} = \\phi_q(q_i)^\\top \\phi_k(k_j), \\quad
+              \\mathrm{num}_i = \\sum_{j \\text{ allowed}} A_{ij} v_j, \\quad
+              \\mathrm{den}_i = \\sum_{j \\text{ allowed}} A_{ij}
+
+    Parameters
+    ----------
+    phi_q : Tensor ``[B, H, N, D]`` (log-features when ``log_space``)
+    phi_k : Tensor ``[B, H, M, D]`` (log-features when ``log_space``)
+    v : Tensor ``[B, H, M, dv]``
+
+    Returns
+    -------
+    num : Tensor ``[B, H, N, dv]``
+    den : Tensor ``[B, H, N]``
+    """
+    if log_space:
+        phi_q, phi_k = phi_q.exp(), phi_k.exp()
+    a = phi_q @ phi_k.transpose(-1, -2)  # [B, H, N, M]
+    allowed = allowed_pairs(a.shape[-2], a.shape[-1], causal, key_padding_mask, a.device)
+    if allowed is not None:
+        a = a.masked_fill(~allowed, 0.0)
+    return a @ v.to(a.dtype), a.sum(-1)
+
+
+def kernel_attention_naive(
+    kernel_matrix: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Exact kernelized attention from a kernel matrix ``[B, H, N, M]``; rows with no
+    allowed key give zeros."""
+    allowed = allowed_pairs(kernel_matrix.shape[-2], kernel_matrix.shape[-1], causal, key_padding_mask, v.device)
+    a = kernel_matrix if allowed is None else kernel_matrix.masked_fill(~allowed, 0.0)
+    den = a.sum(-1, keepdim=True)
+    return (a @ v) / torch.where(den == 0, torch.ones_like(den), den)

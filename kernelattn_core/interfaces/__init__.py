@@ -1,0 +1,17 @@
+"""Abstract interfaces that plugins subclass: kernels, feature maps, normalizers
+and attention estimators. ``spec/`` states each contract in prose."""
+
+from .estimator import AttentionEstimator
+from .feature_map import FeatureMap
+from .kernel import DotProductKernel, Kernel, KernelFamily, ShiftInvariantKernel
+from .normalizer import Normalizer
+
+__all__ = [
+    "AttentionEstimator",
+    "DotProductKernel",
+    "FeatureMap",
+    "Kernel",
+    "KernelFamily",
+    "Normalizer",
+    "ShiftInvariantKernel",
+]

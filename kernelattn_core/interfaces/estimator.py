@@ -1,0 +1,114 @@
+"""The :class:`AttentionEstimator` interface: q, k, v to the attention output."""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from .._validation import check_key_padding_mask, check_qkv
+from ..errors import InputError
+
+
+class AttentionEstimator(nn.Module, ABC):
+    """Abstract attention estimator.
+
+    Maps ``q [B, H, N, d]``, ``k [B, H, M, d]``, ``v [B, H, M, dv]`` to ``[B, H, N, dv]``.
+
+    **Scaling convention.** Every estimator targets softmax attention with the usual
+    :math:`1/\\sqrt{d}`, applied as :math:`d^{-1/4}` on each of q and k before the
+    kernel or features are evaluated, so the target is
+
+    .. math:: \\mathrm{Att}(q, K, V)_i = \\sum_j
+              \\frac{K(d^{-1/4} q_i, d^{-1/4} k_j)}{\\sum_{j'} K(d^{-1/4} q_i, d^{-1/4} k_{j'})} v_j .
+
+    ``scale`` overrides the product scale :math:`1/\\sqrt{d}` (each side gets
+    :math:`\\sqrt{\\text{scale}}`).
+
+    **Masks.** ``key_padding_mask [B, M]`` is boolean with ``True`` marking a padded
+    key (the :class:`torch.nn.MultiheadAttention` convention). Padded keys leave both
+    the numerator and the normaliser. A query whose keys are all masked gets zeros.
+    ``causal=True`` needs ``N == M``: query ``i`` sees keys ``j <= i``.
+
+    The public :meth:`forward` validates and scales, then calls :meth:`_attend`
+    (template method).
+
+    Class attributes
+    ----------------
+    name : str
+        Unique registry name.
+    unbiased : bool
+        Whether the output is an unbiased estimate of softmax attention (for example
+        randomized attention). Self-normalised estimators are not.
+    consistent : bool
+        Whether error and bias vanish as the budget ``num_features`` grows.
+    supports_causal : bool
+        Whether ``causal=True`` is implemented.
+    random : bool
+        Whether the output depends on random draws.
+    has_budget : bool
+        Whether ``num_features`` is meaningful.
+    linear : bool
+        Whether time and memory are linear in the sequence length.
+    """
+
+    name: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()
+    unbiased: ClassVar[bool] = False
+    consistent: ClassVar[bool] = True
+    supports_causal: ClassVar[bool] = True
+    random: ClassVar[bool] = False
+    has_budget: ClassVar[bool] = False
+    linear: ClassVar[bool] = False
+    claims: ClassVar[tuple[Any, ...]] = ()
+
+    def __init__(self, *, scale: float | None = None) -> None:
+        super().__init__()
+        if scale is not None and (not isinstance(scale, int | float) or isinstance(scale, bool) or scale <= 0):
+            raise InputError(f"scale: expected a positive number or None (1/sqrt(d)), got {scale!r}")
+        self.scale = scale
+        #: name of the backend that ran the last forward call (for reporting)
+        self.last_backend: str | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention output ``[B, H, N, dv]`` (see the class docstring)."""
+        check_qkv(q, k, v)
+        mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
+        if not isinstance(causal, bool):
+            raise InputError(f"causal: expected a bool, got {causal!r}")
+        if causal:
+            if not self.supports_causal:
+                raise InputError(f"causal: estimator {self.name!r} is non-causal only; got causal=True")
+            if q.shape[2] != k.shape[2]:
+                raise InputError(
+                    f"causal: expected as many queries as keys (N == M) for causal attention, "
+                    f"got N = {q.shape[2]}, M = {k.shape[2]}"
+                )
+        s = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        root = math.sqrt(s)
+        return self._attend(q * root, k * root, v, causal, mask)
+
+    @abstractmethod
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        key_padding_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention on validated, already scaled inputs."""
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale}"

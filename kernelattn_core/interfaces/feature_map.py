@@ -1,0 +1,221 @@
+"""The :class:`FeatureMap` interface: random or learned features with
+:math:`\\mathbb{E}[\\phi_q(x)^\\top \\phi_k(y)] \\approx K(x, y)`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from .._validation import check_positive_int, check_tensor
+from ..errors import InputError
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class FeatureMap(nn.Module, ABC):
+    """Abstract feature map :math:`\\phi: \\mathbb{R}^d \\to \\mathbb{R}^D`.
+
+    A feature map has a query map :math:`\\phi_q` and a key map :math:`\\phi_k` (they
+    differ for asymmetric maps such as CEXP) such that
+
+    .. math:: \\hat K(x, y) = \\phi_q(x)^\\top \\phi_k(y) \\approx K(x, y).
+
+    Construction binds the options; the head dimension ``d`` completes it, either at
+    construction (``head_dim=...``) or on first use (:meth:`build`), so that
+    ``create("prf", num_features=64)`` works without knowing ``d``.
+
+    **Randomness is explicit**: :meth:`redraw` is the only place where random draws
+    happen, and draws are registered buffers, so they move with ``.to()`` and are
+    saved in ``state_dict``. A state dict can be loaded into a map that has not been
+    built yet: it is built from the saved head dimension first.
+
+    Subclasses implement :meth:`_build` (allocate parameters and buffers),
+    :meth:`_redraw` (fill the random buffers), :meth:`_feature_dim` and
+    :meth:`_features`.
+
+    Class attributes (capability data, checked by the registry and the conformance kit)
+    ---------------------------------------------------------------------------------
+    name : str
+        Unique registry name.
+    kernel : str or None
+        Registry name of the kernel the map targets; ``None`` when the map is a
+        deterministic map with no random target (``elu``).
+    unbiased : bool
+        Whether :math:`\\mathbb{E}[\\hat K(x, y)] = K(x, y)` exactly.
+    positive : bool
+        Whether every feature is :math:`> 0` (so that attention denominators are positive).
+    learnable : bool
+        Whether the map has trainable parameters.
+    random : bool
+        Whether :meth:`redraw` draws anything.
+    log_space : bool
+        Whether :meth:`_features` returns :math:`\\log \\phi` instead of :math:`\\phi`
+        (positive maps of the form :math:`\\exp(\\cdot)`). The engine then applies exact,
+        causal-safe stabilisers.
+    has_budget : bool
+        Whether ``num_features`` sets the feature count.
+    """
+
+    name: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()
+    kernel: ClassVar[str | None] = None
+    unbiased: ClassVar[bool] = False
+    positive: ClassVar[bool] = False
+    learnable: ClassVar[bool] = False
+    random: ClassVar[bool] = True
+    log_space: ClassVar[bool] = False
+    has_budget: ClassVar[bool] = True
+    default_num_features: ClassVar[int] = 256
+    claims: ClassVar[tuple[Any, ...]] = ()
+
+    def __init__(
+        self,
+        head_dim: int | None = None,
+        num_features: int | None = None,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        if num_features is None:
+            num_features = self.default_num_features
+        self.num_features = check_positive_int("num_features", num_features)
+        self.head_dim: int | None = None
+        # -1 until built; persistent so that a state dict remembers the head dimension
+        self.register_buffer("_built_head_dim", torch.tensor(-1, dtype=torch.long))
+        self.register_load_state_dict_pre_hook(_build_before_load)
+        if head_dim is not None:
+            self.build(head_dim, generator=generator)
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def built(self) -> bool:
+        """Whether the head dimension is known and the parameters exist."""
+        return self.head_dim is not None
+
+    def build(self, head_dim: int, *, generator: torch.Generator | None = None) -> None:
+        """Complete the map for head dimension ``head_dim`` and make the first draw."""
+        check_positive_int("head_dim", head_dim)
+        if self.built:
+            if head_dim != self.head_dim:
+                raise InputError(f"head_dim: {self.name!r} was built for d = {self.head_dim}, got d = {head_dim}")
+            return
+        self.head_dim = head_dim
+        self._built_head_dim.fill_(head_dim)
+        self._build(head_dim)
+        self.redraw(generator=generator)
+
+    def redraw(self, *, generator: torch.Generator | None = None) -> None:
+        """Draw fresh random features (no-op for deterministic maps).
+
+        Parameters
+        ----------
+        generator : torch.Generator, optional
+            Source of randomness; the global generator when ``None``. Draws are made on
+            the generator's device and copied into the buffers, so a CPU generator
+            gives the same draws whatever device the module lives on.
+        """
+        if not self.built:
+            raise InputError(f"{self.name!r}: redraw() needs the head dimension; call build(head_dim) first")
+        with torch.no_grad():
+            self._redraw(generator)
+
+    def _build(self, head_dim: int) -> None:
+        """Allocate parameters and buffers for head dimension ``head_dim``."""
+
+    def _redraw(self, generator: torch.Generator | None) -> None:
+        """Fill the random buffers (called under ``torch.no_grad``)."""
+
+    # ------------------------------------------------------------------ helpers for subclasses
+    def _draw(
+        self,
+        kind: str,
+        shape: tuple[int, ...],
+        like: torch.Tensor,
+        generator: torch.Generator | None,
+    ) -> torch.Tensor:
+        """Draw ``normal``, ``uniform`` or ``rademacher`` samples of ``shape`` with the
+        dtype and device of ``like``; drawn on the generator's device (CPU by default)."""
+        device = generator.device if generator is not None else torch.device("cpu")
+        dtype = like.dtype if like.dtype in (torch.float32, torch.float64) else torch.float32
+        if kind == "normal":
+            out = torch.randn(shape, generator=generator, device=device, dtype=dtype)
+        elif kind == "uniform":
+            out = torch.rand(shape, generator=generator, device=device, dtype=dtype)
+        elif kind == "rademacher":
+            out = torch.randint(0, 2, shape, generator=generator, device=device).to(dtype) * 2 - 1
+        else:  # pragma: no cover - programming error
+            raise ValueError(f"kind: expected 'normal', 'uniform' or 'rademacher', got {kind!r}")
+        return out.to(device=like.device, dtype=like.dtype)
+
+    # ------------------------------------------------------------------ public maps
+    @property
+    def feature_dim(self) -> int:
+        """The number of features :math:`D` (for example ``2 m`` for two-sided maps)."""
+        if not self.built:
+            raise InputError(f"{self.name!r}: feature_dim is known once the head dimension is (build(head_dim))")
+        return self._feature_dim()
+
+    @abstractmethod
+    def _feature_dim(self) -> int:
+        """The number of features for the built map."""
+
+    @abstractmethod
+    def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        """Features (or log-features when ``log_space``) of validated ``x [..., d]``,
+        giving ``[..., D]``."""
+
+    def _checked(self, x: torch.Tensor, arg: str) -> torch.Tensor:
+        check_tensor(arg, x)
+        if x.dim() < 1:
+            raise InputError(f"{arg}: expected a tensor [..., d], got a scalar")
+        if not self.built:
+            self.build(x.shape[-1])
+        if x.shape[-1] != self.head_dim:
+            raise InputError(f"{arg}: expected last dimension d = {self.head_dim}, got shape {tuple(x.shape)}")
+        return x.float() if x.dtype in _HALF else x
+
+    def _log(self, x: torch.Tensor, is_query: bool, arg: str) -> torch.Tensor:
+        if not self.log_space:
+            raise InputError(f"{self.name!r}: log features are defined only for log-space maps (log_space=True)")
+        return self._features(self._checked(x, arg), is_query)
+
+    def raw_features(self, x: torch.Tensor, *, query: bool) -> torch.Tensor:
+        """What the engine consumes: features, or log-features for log-space maps,
+        in float32 for half inputs (``[..., d]`` to ``[..., D]``)."""
+        return self._features(self._checked(x, "q" if query else "k"), query)
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        """:math:`\\phi_q(x)` for ``x [..., d]``, giving ``[..., D]`` in the dtype of ``x``."""
+        f = self._features(self._checked(x, "x"), True)
+        return (f.exp() if self.log_space else f).to(x.dtype)
+
+    def key(self, x: torch.Tensor) -> torch.Tensor:
+        """:math:`\\phi_k(x)` for ``x [..., d]``, giving ``[..., D]`` in the dtype of ``x``."""
+        f = self._features(self._checked(x, "x"), False)
+        return (f.exp() if self.log_space else f).to(x.dtype)
+
+    def query_log(self, x: torch.Tensor) -> torch.Tensor:
+        """:math:`\\log \\phi_q(x)` (log-space maps only; float32 for half inputs)."""
+        return self._log(x, True, "x")
+
+    def key_log(self, x: torch.Tensor) -> torch.Tensor:
+        """:math:`\\log \\phi_k(x)` (log-space maps only; float32 for half inputs)."""
+        return self._log(x, False, "x")
+
+    def kernel_estimate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """:math:`\\hat K(x_i, y_j) = \\phi_q(x_i)^\\top \\phi_k(y_j)`, ``[..., N, M]``."""
+        return self.query(x) @ self.key(y).transpose(-1, -2)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, num_features={self.num_features}"
+
+
+def _build_before_load(module: FeatureMap, state_dict: dict, prefix: str, *args: Any) -> None:
+    """Load-state-dict pre-hook: build an unbuilt map from the saved head dimension."""
+    key = prefix + "_built_head_dim"
+    if not module.built and key in state_dict and int(state_dict[key]) > 0:
+        module.build(int(state_dict[key]))

@@ -1,0 +1,63 @@
+"""The :class:`Normalizer` interface: what wraps a kernel estimate into attention."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+
+class Normalizer(nn.Module):
+    """Pre-transform, row normalisation and post-transform of kernelized attention.
+
+    Feature-map attention computes, for each query :math:`i`,
+
+    .. math::
+        \\mathrm{num}_i = \\sum_j \\hat K(q_i, k_j) v_j, \\qquad
+        \\mathrm{den}_i = \\sum_j \\hat K(q_i, k_j),
+
+    and returns ``post(normalize(num, den))`` computed on ``pre(q, k)``.
+
+    The default row rule is :math:`\\mathrm{num}_i / \\mathrm{den}_i` with the
+    stabiliser described in :meth:`normalize`. ``num`` and ``den`` may both carry the
+    same unknown positive per-query factor (the engine's exact log-space
+    stabilisers), so a normaliser must be invariant to it.
+
+    Parameters
+    ----------
+    eps : float, optional
+        Denominators with :math:`|\\mathrm{den}| <` ``eps`` are replaced by
+        :math:`\\pm` ``eps`` (keeping their sign; ``+`` for zero). The default is the
+        smallest normal number of the compute dtype, so the rule fires only for rows
+        whose denominator is exactly zero or underflowed: a query whose keys are all
+        masked has ``num = den = 0`` and gets a zero output, not NaN.
+    """
+
+    name: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()
+    learnable: ClassVar[bool] = False
+    claims: ClassVar[tuple[Any, ...]] = ()
+
+    def __init__(self, eps: float | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def pre(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Transform ``q [B, H, N, d]`` and ``k [B, H, M, d]`` before the features."""
+        return q, k
+
+    def normalize(self, num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+        """Row normalisation ``num [B, H, N, dv] / den [B, H, N]``."""
+        eps = self.eps if self.eps is not None else torch.finfo(den.dtype).tiny
+        small = den.abs() < eps
+        sign = torch.where(den < 0, -1.0, 1.0).to(den.dtype)
+        safe = torch.where(small, sign * eps, den)
+        return num / safe.unsqueeze(-1)
+
+    def post(self, out: torch.Tensor) -> torch.Tensor:
+        """Transform the normalised output ``[B, H, N, dv]``."""
+        return out
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}"

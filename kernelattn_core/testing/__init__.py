@@ -1,0 +1,1 @@
+"""Testing support shipped with the core: the conformance kit for plugin authors."""
