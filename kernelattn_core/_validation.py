@@ -21,8 +21,7 @@ def check_tensor(name: str, x: object, ndim: int | None = None, shape_doc: str =
         raise InputError(f"{name}: expected a torch.Tensor{shape_doc and ' ' + shape_doc}, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
         raise InputError(
-            f"{name}: expected a floating-point tensor (float16, bfloat16, float32 or float64), "
-            f"got dtype {x.dtype}"
+            f"{name}: expected a floating-point tensor (float16, bfloat16, float32 or float64), got dtype {x.dtype}"
         )
     if ndim is not None and x.dim() != ndim:
         raise InputError(
@@ -67,9 +66,7 @@ def check_key_padding_mask(mask: object, batch: int, keys: int, device: torch.de
     if not isinstance(mask, torch.Tensor):
         raise InputError(f"key_padding_mask: expected a bool tensor of shape [B, M], got {type(mask).__name__}")
     if mask.dtype != torch.bool:
-        raise InputError(
-            f"key_padding_mask: expected dtype torch.bool (True marks a padded key), got {mask.dtype}"
-        )
+        raise InputError(f"key_padding_mask: expected dtype torch.bool (True marks a padded key), got {mask.dtype}")
     if tuple(mask.shape) != (batch, keys):
         raise InputError(f"key_padding_mask: expected shape [B, M] = [{batch}, {keys}], got {list(mask.shape)}")
     if mask.device != device:

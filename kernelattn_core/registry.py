@@ -221,9 +221,7 @@ class Registry:
         interface, hook_name, flags = KINDS[kind]
         label = getattr(cls, "__qualname__", repr(cls))
         if not isinstance(cls, type) or not issubclass(cls, interface):
-            self._problem(
-                info.name, f"{hook_name} returned {label}, which is not a subclass of {interface.__name__}"
-            )
+            self._problem(info.name, f"{hook_name} returned {label}, which is not a subclass of {interface.__name__}")
             return
         if inspect.isabstract(cls):
             missing = sorted(getattr(cls, "__abstractmethods__", ()))

@@ -197,6 +197,7 @@ class FeatureMapAttention(AttentionEstimator):
         if not fm.built:
             self.redraw_policy.initial(fm, q.shape[-1])
         self.redraw_policy.before_forward(fm, self.training)
+        fm.prepare(q, k)
         phi_q = fm.raw_features(q, query=True)  # [B, H, N, D]
         phi_k = fm.raw_features(k, query=False)  # [B, H, M, D]
         problem = Problem(q.device, q.dtype, fm.log_space, causal, torch.is_grad_enabled())

@@ -129,6 +129,15 @@ class FeatureMap(nn.Module, ABC):
     def _redraw(self, generator: torch.Generator | None) -> None:
         """Fill the random buffers (called under ``torch.no_grad``)."""
 
+    def prepare(self, q: torch.Tensor, k: torch.Tensor) -> None:  # noqa: B027 - optional hook
+        """See the queries and keys of a forward call before their features are made.
+
+        Called by feature-map attention with the scaled, pre-transformed
+        ``q [B, H, N, d]`` and ``k [B, H, M, d]``. Data-adapted maps (CEXP) update their
+        statistics here in training mode and keep them frozen in eval mode. The
+        default does nothing.
+        """
+
     # ------------------------------------------------------------------ helpers for subclasses
     def _draw(
         self,
