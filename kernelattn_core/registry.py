@@ -240,7 +240,8 @@ class Registry:
             if not isinstance(getattr(cls, flag), bool):
                 self._problem(info.name, f"class {label}: capability flag {flag!r} must be a bool")
                 return
-        names = [name, *getattr(cls, "aliases", ())]
+        # aliases are not inherited: a subclass of an aliased class must not claim its aliases
+        names = [name, *vars(cls).get("aliases", ())]
         for n in names:
             taken = self._entries.get(self._aliases.get(n, n))
             if taken is not None:

@@ -129,7 +129,7 @@ class FeatureMap(nn.Module, ABC):
     def _redraw(self, generator: torch.Generator | None) -> None:
         """Fill the random buffers (called under ``torch.no_grad``)."""
 
-    def prepare(self, q: torch.Tensor, k: torch.Tensor) -> None:  # noqa: B027 - optional hook
+    def prepare(self, q: torch.Tensor, k: torch.Tensor) -> None:
         """See the queries and keys of a forward call before their features are made.
 
         Called by feature-map attention with the scaled, pre-transformed

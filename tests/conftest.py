@@ -1,0 +1,53 @@
+"""Shared fixtures of the core test suite."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernelattn_core as ka
+
+_empty = torch.empty
+
+
+def _poisoned_empty(*args, **kwargs):  # type: ignore[no-untyped-def]
+    """``torch.empty`` that fills floating tensors with NaN, so code that forgets to
+    write an element fails loudly instead of reading stale memory."""
+    out = _empty(*args, **kwargs)
+    if out.is_floating_point():
+        out.fill_(float("nan"))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def poison_uninitialised_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "empty", _poisoned_empty)
+
+
+@pytest.fixture
+def registry_with_toys() -> ka.Registry:
+    """A registry with the built-ins and the test-only toy plugin (no entry points)."""
+    from . import toy_plugin
+
+    reg = ka.Registry(autoload=False)
+    reg.register_plugin(toy_plugin, "toys")
+    return reg
+
+
+@pytest.fixture
+def use_registry(monkeypatch: pytest.MonkeyPatch, registry_with_toys: ka.Registry) -> ka.Registry:
+    """Make the toy registry the process-wide one for the duration of a test."""
+    import kernelattn_core.registry as registry_module
+
+    monkeypatch.setattr(registry_module, "_REGISTRY", registry_with_toys)
+    return registry_with_toys
+
+
+def qkv(b=2, h=3, n=13, m=None, d=8, dv=5, dtype=torch.float64, seed=0, scale=1.0):  # type: ignore[no-untyped-def]
+    """Random ``q [B,H,N,d]``, ``k [B,H,M,d]``, ``v [B,H,M,dv]``."""
+    g = torch.Generator().manual_seed(seed)
+    m = n if m is None else m
+    q = torch.randn(b, h, n, d, generator=g, dtype=torch.float64) * scale
+    k = torch.randn(b, h, m, d, generator=g, dtype=torch.float64) * scale
+    v = torch.randn(b, h, m, dv, generator=g, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype)

@@ -1,0 +1,99 @@
+"""The redraw policy: schedule, eval freezing, seeding, state_dict round trips."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import kernelattn_core as ka
+
+from .conftest import qkv
+
+
+def _omega(est: ka.FeatureMapAttention) -> torch.Tensor:
+    return est.feature_map.omega.clone()
+
+
+def test_redraw_every_k_training_steps(use_registry) -> None:
+    q, k, v = qkv()
+    est = ka.create("toy-prf", redraw_every=3, seed=11)
+    est.train()
+    seen = []
+    for _ in range(7):
+        est(q, k, v)
+        seen.append(_omega(est))
+    changes = [not torch.equal(a, b) for a, b in zip(seen, seen[1:])]
+    # calls 0,1,2 use draw 0; call 3 redraws; call 6 redraws
+    assert changes == [False, False, True, False, False, True]
+
+
+def test_never_redraw_when_every_is_zero(use_registry) -> None:
+    q, k, v = qkv()
+    est = ka.create("toy-prf", redraw_every=0, seed=1).train()
+    est(q, k, v)
+    first = _omega(est)
+    for _ in range(5):
+        est(q, k, v)
+    assert torch.equal(_omega(est), first)
+
+
+def test_eval_mode_is_frozen(use_registry) -> None:
+    q, k, v = qkv()
+    est = ka.create("toy-prf", redraw_every=1, seed=2)
+    est(q, k, v)
+    est.eval()
+    outs = [est(q, k, v) for _ in range(4)]
+    assert all(torch.equal(outs[0], o) for o in outs)
+
+
+def test_same_seed_same_draws_on_replicas(use_registry) -> None:
+    """Data-parallel replicas with the same seed draw identical features at every step."""
+    q, k, v = qkv()
+    a = ka.create("toy-prf", redraw_every=2, seed=5).train()
+    b = ka.create("toy-prf", redraw_every=2, seed=5).train()
+    for _ in range(5):
+        torch.testing.assert_close(a(q, k, v), b(q, k, v), rtol=0, atol=0)
+    c = ka.create("toy-prf", redraw_every=2, seed=6).train()
+    c(q, k, v)
+    a2 = ka.create("toy-prf", redraw_every=2, seed=5).train()
+    a2(q, k, v)
+    assert not torch.equal(_omega(c), _omega(a2))
+
+
+def test_global_seed_makes_unseeded_policies_reproducible(use_registry) -> None:
+    q, k, v = qkv()
+    torch.manual_seed(0)
+    a = ka.create("toy-prf")(q, k, v)
+    torch.manual_seed(0)
+    b = ka.create("toy-prf")(q, k, v)
+    assert torch.equal(a, b)
+
+
+def test_state_dict_round_trip_is_bit_identical_and_keeps_the_schedule(use_registry) -> None:
+    q, k, v = qkv(dtype=torch.float32)
+    model = ka.KernelAttention(24, 3, estimator="toy-prf", redraw_every=2, num_features=16)
+    model.train()
+    for _ in range(3):
+        model(q[:, 0, :, :].repeat(1, 1, 3))  # advance the schedule (3 training steps)
+    x = torch.randn(2, 9, 24)
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    reloaded = ka.KernelAttention(24, 3, estimator="toy-prf", redraw_every=2, num_features=16)
+    reloaded.load_state_dict(torch.load(buffer))
+    model.eval()
+    reloaded.eval()
+    assert torch.equal(model(x)[0], reloaded(x)[0])
+    model.train()
+    reloaded.train()
+    for _ in range(3):  # the reloaded model continues the same redraw schedule
+        assert torch.equal(model(x)[0], reloaded(x)[0])
+
+
+def test_redraw_policy_rejects_bad_arguments() -> None:
+    with pytest.raises(ka.InputError, match="redraw_every: expected an integer >= 0, got -1"):
+        ka.RedrawPolicy(-1)
+    with pytest.raises(ka.InputError, match="seed: expected an int or None"):
+        ka.RedrawPolicy(1, seed="x")  # type: ignore[arg-type]

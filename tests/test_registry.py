@@ -1,0 +1,207 @@
+"""The plugin registry: discovery, isolation of broken plugins, switches."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import types
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import torch
+
+import kernelattn_core as ka
+from kernelattn_core import hookimpl, hookspecs
+from kernelattn_core.errors import PluginError, PluginWarning, UnknownNameError
+
+from . import toy_plugin
+
+
+def _module(name: str, **hooks) -> types.ModuleType:  # type: ignore[no-untyped-def]
+    mod = types.ModuleType(name)
+    for hook, value in hooks.items():
+        setattr(mod, hook, hookimpl(value))
+    return mod
+
+
+class Elu2(ka.EluFeatureMap):
+    name: ClassVar[str] = "elu"  # clashes with the built-in
+
+
+class Unnamed(ka.EluFeatureMap):
+    name: ClassVar[str] = "Bad Name"
+
+
+class Abstract(ka.FeatureMap):
+    name: ClassVar[str] = "abstract-map"
+
+
+class BadFlag(ka.EluFeatureMap):
+    name: ClassVar[str] = "bad-flag"
+    positive = "yes"  # type: ignore[assignment]
+
+
+def test_builtins_are_registered_first() -> None:
+    reg = ka.Registry(autoload=False)
+    assert reg.plugins()[0].name == "builtins"
+    assert {"softmax", "elu", "row", "exact", "feature-map"} <= set(reg.names())
+    assert reg.kernel("softmax") is ka.SoftmaxKernel
+    assert reg.get("linear-elu").cls is ka.EluFeatureMap  # alias
+
+
+def test_duplicate_name_is_an_error_naming_both_classes_and_plugins() -> None:
+    reg = ka.Registry(autoload=False, strict=True)
+    with pytest.raises(PluginError) as err:
+        reg.register_plugin(_module("dup", kernelattn_feature_maps=lambda: [Elu2]), "dup")
+    text = str(err.value)
+    assert "'elu'" in text and "Elu2" in text and "EluFeatureMap" in text
+    assert "'dup'" in text and "'builtins'" in text
+
+
+@pytest.mark.parametrize(
+    ("cls", "fragment"),
+    [
+        (Unnamed, "registry name"),
+        (Abstract, "abstract methods"),
+        (BadFlag, "capability flag 'positive'"),
+        (ka.SoftmaxKernel, "not a subclass of FeatureMap"),
+        (42, "not a subclass of FeatureMap"),
+    ],
+)
+def test_bad_class_is_an_error_naming_class_and_plugin(cls, fragment: str) -> None:  # type: ignore[no-untyped-def]
+    reg = ka.Registry(autoload=False, strict=True)
+    with pytest.raises(PluginError, match=fragment) as err:
+        reg.register_plugin(_module("badplug", kernelattn_feature_maps=lambda: [cls]), "badplug")
+    assert "'badplug'" in str(err.value)
+
+
+def test_broken_plugin_is_isolated_as_a_warning() -> None:
+    reg = ka.Registry(autoload=False)
+
+    def boom():  # type: ignore[no-untyped-def]
+        raise RuntimeError("kaboom")
+
+    broken = _module("broken", kernelattn_kernels=boom, kernelattn_feature_maps=lambda: [Abstract, Elu2])
+    with pytest.warns(PluginWarning) as record:
+        info = reg.register_plugin(broken, "broken")
+    messages = " | ".join(str(w.message) for w in record)
+    assert "kaboom" in messages and "'broken'" in messages and "Abstract" in messages and "Elu2" in messages
+    assert len(info.errors) == 3
+    reg.register_plugin(toy_plugin, "toys")  # other plugins keep working
+    assert reg.feature_map("toy-prf") is toy_plugin.ToyPRF
+    assert reg.feature_map("elu") is ka.EluFeatureMap
+
+
+def test_hook_returning_a_non_list_is_reported() -> None:
+    reg = ka.Registry(autoload=False)
+    with pytest.warns(PluginWarning, match="must return a list"):
+        reg.register_plugin(_module("odd", kernelattn_kernels=lambda: ka.SoftmaxKernel), "odd")
+
+
+def test_unknown_name_lists_the_available_names() -> None:
+    reg = ka.Registry(autoload=False)
+    with pytest.raises(UnknownNameError, match="unknown class name 'nope'; available: .*elu.*softmax"):
+        reg.get("nope")
+    with pytest.raises(UnknownNameError, match="unknown kernel name 'elu'; available: softmax"):
+        reg.kernel("elu")
+
+
+def test_create_unknown_estimator_lists_available(use_registry) -> None:
+    with pytest.raises(UnknownNameError, match="'perfromer'.*available:.*toy-prf"):
+        ka.create("perfromer")
+
+
+def test_create_rejects_unknown_options_naming_them(use_registry) -> None:
+    with pytest.raises(ka.InputError, match=r"unknown option\(s\) \['num_feature'\].*accepted options"):
+        ka.create("toy-prf", num_feature=3)
+
+
+def test_hookimpl_is_reexported_and_every_hook_is_prefixed() -> None:
+    assert ka.hookimpl is hookspecs.hookimpl
+    hooks = [n for n in dir(hookspecs) if n.startswith("kernelattn_")]
+    assert set(hooks) == {
+        "kernelattn_kernels",
+        "kernelattn_feature_maps",
+        "kernelattn_normalizers",
+        "kernelattn_estimators",
+        "kernelattn_experiments",
+    }
+
+
+# --------------------------------------------------------------------------- real entry points
+@pytest.fixture
+def installed_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Three distributions installed on sys.path with real ``kernelattn`` entry points:
+    a working one, one that fails to import, and one whose hook raises."""
+    (tmp_path / "ka_good_plugin.py").write_text(
+        textwrap.dedent(
+            '''
+            from typing import ClassVar
+            import kernelattn_core as ka
+
+            class Doubled(ka.EluFeatureMap):
+                """elu(x)+1, twice (a different estimate with the same normalised output)."""
+                name: ClassVar[str] = "doubled-elu"
+
+                def _features(self, x, is_query):
+                    return 2 * super()._features(x, is_query)
+
+            @ka.hookimpl
+            def kernelattn_feature_maps():
+                return [Doubled]
+            '''
+        )
+    )
+    (tmp_path / "ka_raising_plugin.py").write_text(
+        "import kernelattn_core as ka\n\n@ka.hookimpl\ndef kernelattn_kernels():\n    raise ValueError('bad hook')\n"
+    )
+    for dist, ep_name, target in (
+        ("ka-good-plugin", "good", "ka_good_plugin"),
+        ("ka-broken-plugin", "broken", "ka_missing_module_xyz"),
+        ("ka-raising-plugin", "raising", "ka_raising_plugin"),
+    ):
+        info = tmp_path / f"{dist.replace('-', '_')}-1.2.3.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.2.3\n")
+        (info / "entry_points.txt").write_text(f"[kernelattn]\n{ep_name} = {target}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("ka_good_plugin", None)
+    sys.modules.pop("ka_raising_plugin", None)
+
+
+def test_plugin_installed_through_a_real_entry_point(installed_plugins: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kernelattn_core.registry as registry_module
+
+    with pytest.warns(PluginWarning) as record:
+        reg = ka.Registry(autoload=True)
+    monkeypatch.setattr(registry_module, "_REGISTRY", reg)
+    messages = " | ".join(str(w.message) for w in record)
+    assert "'broken'" in messages and "ModuleNotFoundError" in messages
+    assert "'raising'" in messages and "bad hook" in messages
+    entry = reg.get("doubled-elu")
+    info = reg.plugin_of("doubled-elu")
+    assert (entry.plugin, info.distribution, info.version) == ("good", "ka-good-plugin", "1.2.3")
+    # the plugin's class works end to end through the engine
+    q = torch.randn(1, 2, 5, 4, dtype=torch.float64)
+    out = ka.create("doubled-elu")(q, q, q)
+    torch.testing.assert_close(out, ka.create("elu")(q, q, q))
+
+
+def test_autoload_switch_skips_entry_points(installed_plugins: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KERNELATTN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    reg = ka.Registry()
+    assert [p.name for p in reg.plugins()] == ["builtins"]
+
+
+def test_block_list_skips_named_plugins(installed_plugins: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KERNELATTN_BLOCK_PLUGINS", "broken, raising")
+    reg = ka.Registry(block=["unrelated"])
+    names = [p.name for p in reg.plugins()]
+    assert "good" in names and "broken" not in names and "raising" not in names
+
+
+def test_strict_mode_raises_on_a_broken_entry_point(installed_plugins: Path) -> None:
+    with pytest.raises(PluginError, match="'broken'.*failed to import"):
+        ka.Registry(autoload=True, strict=True)
