@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ def test_redraw_every_k_training_steps(use_registry) -> None:
     for _ in range(7):
         est(q, k, v)
         seen.append(_omega(est))
-    changes = [not torch.equal(a, b) for a, b in zip(seen, seen[1:])]
+    changes = [not torch.equal(a, b) for a, b in itertools.pairwise(seen)]
     # calls 0,1,2 use draw 0; call 3 redraws; call 6 redraws
     assert changes == [False, False, True, False, False, True]
 
@@ -72,7 +73,7 @@ def test_global_seed_makes_unseeded_policies_reproducible(use_registry) -> None:
 
 
 def test_state_dict_round_trip_is_bit_identical_and_keeps_the_schedule(use_registry) -> None:
-    q, k, v = qkv(dtype=torch.float32)
+    q, _k, _v = qkv(dtype=torch.float32)
     model = ka.KernelAttention(24, 3, estimator="toy-prf", redraw_every=2, num_features=16)
     model.train()
     for _ in range(3):
