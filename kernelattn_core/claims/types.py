@@ -58,9 +58,9 @@ class UnbiasedKernelEstimate(Claim):
     summary: ClassVar[str] = "unbiased kernel estimate E[phi_q(x).phi_k(y)] = K(x, y)"
     dims: tuple[int, ...] = (16, 64)
     norm_range: tuple[float, float] = (0.2, 1.0)
-    num_features: int = 16
+    num_features: int = 128
     pairs: int = 8
-    redraws: int = 4000
+    redraws: int = 2000
     options: Options = field(default_factory=dict)
     inputs: Callable[..., Any] | None = None
 
@@ -73,6 +73,8 @@ class PositiveFeatures(Claim):
     rule: ClassVar[str] = "FM002"
     summary: ClassVar[str] = "features are positive"
     dims: tuple[int, ...] = (16,)
+    max_norm: float = 4.0
+    redraws: int = 20
     options: Options = field(default_factory=dict)
 
 

@@ -22,10 +22,15 @@ def _cell(value: Any) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, dict):
-        return ", ".join(f"{k}={_cell(v)}" for k, v in value.items())
+        return ", ".join(f"{k}={_short(_cell(v))}" for k, v in value.items())
     if isinstance(value, list | tuple):
         return ",".join(_cell(v) for v in value)
     return str(value)
+
+
+def _short(text: str, limit: int = 48) -> str:
+    """Long values (symbolic expressions) are cut in tables; JSON keeps them whole."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def table(records: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:

@@ -11,6 +11,7 @@ def add_parser(sub: Any) -> None:
     v.add_argument("names", nargs="*", metavar="NAME", help="plugin or registered class names (default: all)")
     v.add_argument("--level", choices=("quick", "full"), default="quick")
     v.add_argument("--format", choices=("table", "json"), default="table")
+    v.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     v.set_defaults(func=run)
 
 

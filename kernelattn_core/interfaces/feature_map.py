@@ -215,6 +215,20 @@ class FeatureMap(nn.Module, ABC):
         """:math:`\\log \\phi_k(x)` (log-space maps only; float32 for half inputs)."""
         return self._log(x, False, "x")
 
+    def exact_kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The exact target :math:`K(x_i, y_j)`, ``[..., N, M]``, for the map's current
+        parameters; what :meth:`kernel_estimate` estimates.
+
+        The default evaluates the registered kernel named by ``kernel`` with default
+        options; maps whose target depends on options or learned parameters (a
+        lengthscale, mixture parameters) override this.
+        """
+        if self.kernel is None:
+            raise InputError(f"{self.name!r}: the map declares no target kernel (kernel = None)")
+        from ..registry import get_registry
+
+        return get_registry().kernel(self.kernel)()(x, y)
+
     def kernel_estimate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """:math:`\\hat K(x_i, y_j) = \\phi_q(x_i)^\\top \\phi_k(y_j)`, ``[..., N, M]``."""
         return self.query(x) @ self.key(y).transpose(-1, -2)

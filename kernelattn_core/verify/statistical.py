@@ -1,0 +1,299 @@
+"""Statistical checks: Monte Carlo in float64 with fixed seeds.
+
+Every z-test uses a threshold from :func:`~kernelattn_core.verify.result.z_threshold`,
+so that all the tests of one check together fail by chance with probability below
+1e-6 (Bonferroni). Seeds are fixed, so a run is reproducible bit for bit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import torch
+
+from ..claims import (
+    ConsistentAttention,
+    ErrorDecay,
+    EstimateVariance,
+    PositiveFeatures,
+    UnbiasedAttention,
+    UnbiasedKernelEstimate,
+)
+from ..interfaces.feature_map import FeatureMap
+from .result import CheckResult, verdict, z_threshold
+
+SEED = 20_261_121
+
+
+def _scaled(level: str, full: int, quick_floor: int = 200) -> int:
+    """Sample count at ``level``: the declared count at full, half of it (at least
+    ``quick_floor``) at quick."""
+    return full if level == "full" else max(min(full, quick_floor), full // 2)
+
+
+def _dims(level: str, dims: tuple[int, ...]) -> tuple[int, ...]:
+    return dims if level == "full" else dims[:1]
+
+
+def make_map(cls: type[FeatureMap], d: int, num_features: int, options: Any) -> FeatureMap:
+    fm = cls(num_features=num_features, **dict(options))
+    fm.build(d, generator=torch.Generator().manual_seed(SEED))
+    return fm.double()
+
+
+def sample_points(
+    d: int, pairs: int, norm_range: tuple[float, float], seed: int, inputs: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pairs`` point pairs ``[pairs, d]``: unit directions with norms uniform in ``norm_range``."""
+    g = torch.Generator().manual_seed(seed)
+    if inputs is not None:
+        return inputs(d, pairs, g)
+    lo, hi = norm_range
+    out = []
+    for _ in range(2):
+        u = torch.randn(pairs, d, generator=g, dtype=torch.float64)
+        r = lo + (hi - lo) * torch.rand(pairs, 1, generator=g, dtype=torch.float64)
+        out.append(u / u.norm(dim=-1, keepdim=True) * r)
+    return out[0], out[1]
+
+
+def pair_estimates(fm: FeatureMap, x: torch.Tensor, y: torch.Tensor, redraws: int, seed: int) -> torch.Tensor:
+    """``[redraws, pairs]`` single-pair estimates :math:`\\phi_q(x_i)^\\top \\phi_k(y_i)`."""
+    rows = []
+    with torch.no_grad():
+        for r in range(redraws):
+            fm.redraw(generator=torch.Generator().manual_seed(seed + r))
+            rows.append((fm.query(x) * fm.key(y)).sum(-1))
+    return torch.stack(rows)
+
+
+def exact_pairs(fm: FeatureMap, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``[pairs]`` exact :math:`K(x_i, y_i)`."""
+    with torch.no_grad():
+        return fm.exact_kernel(x.unsqueeze(-2), y.unsqueeze(-2)).reshape(-1)
+
+
+def check_unbiased(cls: type[FeatureMap], claim: UnbiasedKernelEstimate, level: str, **ids: str) -> CheckResult:
+    """FM001: per-pair z-scores of the Monte Carlo mean against the exact kernel."""
+    dims = _dims(level, claim.dims)
+    redraws = _scaled(level, claim.redraws)
+    threshold = z_threshold(len(dims) * claim.pairs)
+    worst_z, worst_rel, ok = 0.0, 0.0, True
+    per_dim: dict[str, Any] = {}
+    for d in dims:
+        fm = make_map(cls, d, claim.num_features, claim.options)
+        x, y = sample_points(d, claim.pairs, claim.norm_range, SEED + d, claim.inputs)
+        est = pair_estimates(fm, x, y, redraws, SEED + 1000 * d)
+        target = exact_pairs(fm, x, y)
+        mean, se = est.mean(0), est.std(0) / math.sqrt(redraws)
+        z = ((mean - target) / se.clamp_min(1e-300)).abs()
+        rel = ((mean - target).abs() / target.abs().clamp_min(1e-300)).max()
+        per_dim[f"max_z_d{d}"] = round(float(z.max()), 3)
+        worst_z, worst_rel = max(worst_z, float(z.max())), max(worst_rel, float(rel))
+        ok &= bool(torch.isfinite(est).all()) and float(z.max()) < threshold
+    numbers = {
+        "max_abs_z": round(worst_z, 3),
+        "z_threshold": round(threshold, 3),
+        "max_rel_bias": float(f"{worst_rel:.3g}"),
+        "redraws": redraws,
+        "num_features": claim.num_features,
+        "pairs": claim.pairs,
+        **per_dim,
+    }
+    return CheckResult(
+        UnbiasedKernelEstimate.rule,
+        claim=f"E[phi_q(x).phi_k(y)] == K(x, y), d in {list(dims)}, |x|,|y| in {list(claim.norm_range)}",
+        numbers=numbers,
+        verdict=verdict(ok),
+        **ids,
+    )
+
+
+def check_positive(cls: type[FeatureMap], claim: PositiveFeatures, level: str, **ids: str) -> CheckResult:
+    """FM002: every feature :math:`> 0` over many draws and inputs up to ``max_norm``
+    (for log-space maps: every log-feature finite)."""
+    redraws = _scaled(level, claim.redraws, quick_floor=10)
+    worst, count, bad = math.inf, 0, 0
+    for d in _dims(level, claim.dims):
+        fm = make_map(cls, d, 64, claim.options)
+        g = torch.Generator().manual_seed(SEED + d)
+        x = torch.randn(256, d, generator=g, dtype=torch.float64)
+        x = x / x.norm(dim=-1, keepdim=True) * torch.linspace(0, claim.max_norm, 256, dtype=torch.float64)[:, None]
+        with torch.no_grad():
+            for r in range(redraws):
+                fm.redraw(generator=torch.Generator().manual_seed(SEED + r))
+                for feats in (fm.raw_features(x, query=True), fm.raw_features(x, query=False)):
+                    if fm.log_space:
+                        bad += int((~torch.isfinite(feats)).sum())
+                        feats = feats.exp()
+                    worst = min(worst, float(feats.min()))
+                    bad += int((feats <= 0).sum()) if not fm.log_space else 0
+                    count += feats.numel()
+    return CheckResult(
+        PositiveFeatures.rule,
+        claim=f"every feature > 0 for |x| <= {claim.max_norm}",
+        numbers={"features_checked": count, "non_positive": bad, "min_feature": float(f"{worst:.3g}")},
+        verdict=verdict(bad == 0 and worst > 0 if not getattr(cls, "log_space", False) else bad == 0),
+        **ids,
+    )
+
+
+def check_variance(cls: type[FeatureMap], claim: EstimateVariance, level: str, **ids: str) -> CheckResult:
+    """FM003: sample variance of the single-pair estimate against the closed form.
+
+    The standard error of a sample variance is :math:`\\sqrt{(\\mu_4 - \\sigma^4)/R}`
+    with the fourth central moment :math:`\\mu_4` estimated from the same draws.
+    """
+    if claim.variance is None:
+        raise ValueError("EstimateVariance.variance is not set")
+    dims = _dims(level, claim.dims)
+    redraws = _scaled(level, claim.redraws, quick_floor=4000)
+    threshold = z_threshold(len(dims) * claim.pairs)
+    worst_z, worst_ratio = 0.0, 1.0
+    ok = True
+    for d in dims:
+        fm = make_map(cls, d, claim.num_features, claim.options)
+        x, y = sample_points(d, claim.pairs, claim.norm_range, SEED + 7 * d, claim.inputs)
+        est = pair_estimates(fm, x, y, redraws, SEED + 3000 * d)
+        with torch.no_grad():
+            declared = torch.as_tensor(claim.variance(x, y, fm), dtype=torch.float64).reshape(-1)
+        centred = est - est.mean(0)
+        sample_var = centred.pow(2).mean(0) * redraws / (redraws - 1)
+        mu4 = centred.pow(4).mean(0)
+        se = ((mu4 - sample_var**2).clamp_min(0) / redraws).sqrt()
+        z = ((sample_var - declared) / se.clamp_min(1e-300)).abs()
+        ratio = (sample_var / declared.clamp_min(1e-300)).tolist()
+        worst_z = max(worst_z, float(z.max()))
+        worst_ratio = max(ratio, key=lambda r: abs(math.log(r)) if r > 0 else math.inf)
+        ok &= float(z.max()) < threshold
+    return CheckResult(
+        EstimateVariance.rule,
+        claim=f"Var[phi_q(x).phi_k(y)] == closed form, D = {claim.num_features}, d in {list(dims)}",
+        numbers={
+            "max_abs_z": round(worst_z, 3),
+            "z_threshold": round(threshold, 3),
+            "worst_sample_over_declared": float(f"{worst_ratio:.4g}"),
+            "redraws": redraws,
+        },
+        verdict=verdict(ok),
+        **ids,
+    )
+
+
+def check_error_decay(cls: type[FeatureMap], claim: ErrorDecay, level: str, **ids: str) -> CheckResult:
+    """FM004: least-squares slope of log kernel MSE against log D."""
+    redraws = _scaled(level, claim.redraws, quick_floor=100)
+    x, y = sample_points(claim.dim, 16, claim.norm_range, SEED + 11)
+    mses = []
+    for m in claim.budgets:
+        fm = make_map(cls, claim.dim, m, claim.options)
+        est = pair_estimates(fm, x, y, redraws, SEED + 17 * m)
+        target = exact_pairs(fm, x, y)
+        mses.append(float(((est - target) ** 2).mean()))
+    lx = [math.log(m) for m in claim.budgets]
+    ly = [math.log(e) for e in mses]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    slope = sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+    return CheckResult(
+        ErrorDecay.rule,
+        claim=f"kernel MSE ~ D^{claim.slope} over D in {list(claim.budgets)}",
+        numbers={
+            "slope": round(slope, 3),
+            "expected_slope": claim.slope,
+            "tolerance": claim.tolerance,
+            **{f"mse_D{m}": float(f"{e:.3g}") for m, e in zip(claim.budgets, mses)},
+        },
+        verdict=verdict(abs(slope - claim.slope) <= claim.tolerance),
+        **ids,
+    )
+
+
+def _attention_inputs(
+    dim: int, seq_len: int, logit_std: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (1, 1, seq_len, dim)
+    q, k, v = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(3))
+    return q * math.sqrt(logit_std), k * math.sqrt(logit_std), v
+
+
+def attention_draws(
+    name: str, budget: int, options: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, redraws: int, seed: int
+) -> torch.Tensor:
+    """``[redraws, N, dv]`` outputs of independently seeded estimators (train mode)."""
+    from ..api import create
+
+    outs = []
+    with torch.no_grad():
+        for r in range(redraws):
+            torch.manual_seed(seed + r)
+            est = create(name, num_features=budget, **dict(options)).double().train()
+            outs.append(est(q, k, v)[0, 0])
+    return torch.stack(outs)
+
+
+def check_unbiased_attention(name: str, claim: UnbiasedAttention, level: str, **ids: str) -> CheckResult:
+    """AT001: element-wise z-scores of the mean output against exact softmax attention."""
+    from ..api import create
+
+    redraws = _scaled(level, claim.redraws)
+    q, k, v = _attention_inputs(claim.dim, claim.seq_len, claim.logit_std, SEED)
+    exact = create("softmax")(q, k, v)[0, 0]
+    outs = attention_draws(name, claim.num_features, claim.options, q, k, v, redraws, SEED)
+    mean, se = outs.mean(0), outs.std(0) / math.sqrt(redraws)
+    z = ((mean - exact) / se.clamp_min(1e-300)).abs()
+    threshold = z_threshold(exact.numel())
+    return CheckResult(
+        UnbiasedAttention.rule,
+        claim=f"E[output] == softmax attention (d={claim.dim}, N={claim.seq_len}, budget {claim.num_features})",
+        numbers={
+            "max_abs_z": round(float(z.max()), 3),
+            "z_threshold": round(threshold, 3),
+            "max_abs_bias": float(f"{float((mean - exact).abs().max()):.3g}"),
+            "redraws": redraws,
+        },
+        verdict=verdict(float(z.max()) < threshold),
+        **ids,
+    )
+
+
+def check_consistent_attention(name: str, claim: ConsistentAttention, level: str, **ids: str) -> CheckResult:
+    """AT002: mean squared error and squared bias fall as the budget grows; the bias
+    at the smallest budget is reported with its z-score (self-normalised estimators
+    are biased at finite budget)."""
+    from ..api import create
+
+    redraws = _scaled(level, claim.redraws, quick_floor=200)
+    q, k, v = _attention_inputs(claim.dim, claim.seq_len, claim.logit_std, SEED + 1)
+    exact = create("softmax")(q, k, v)[0, 0]
+    mse, bias2, bias_z = [], [], []
+    for budget in claim.budgets:
+        outs = attention_draws(name, budget, claim.options, q, k, v, redraws, SEED + 97 * budget)
+        mean = outs.mean(0)
+        mse.append(float(((outs - exact) ** 2).mean()))
+        # unbiased estimate of the squared bias: |mean - exact|^2 minus the variance of the mean
+        bias2.append(float(((mean - exact) ** 2 - outs.var(0) / redraws).mean()))
+        bias_z.append(float(((mean - exact) / (outs.std(0) / math.sqrt(redraws)).clamp_min(1e-300)).abs().max()))
+    threshold = z_threshold(exact.numel())
+    shrinks = all(b < a for a, b in itertools.pairwise(mse))
+    bias_shrinks = all(b < max(a, 0) + 1e-30 for a, b in itertools.pairwise(bias2))
+    ok = shrinks and bias_shrinks and mse[-1] < 0.5 * mse[0]
+    return CheckResult(
+        ConsistentAttention.rule,
+        claim=(
+            f"error and bias shrink as num_features grows over {list(claim.budgets)}"
+            + ("; biased at finite budget (self-normalised)" if claim.biased_at_finite_budget else "")
+        ),
+        numbers={
+            **{f"mse_D{b}": float(f"{e:.3g}") for b, e in zip(claim.budgets, mse)},
+            **{f"bias2_D{b}": float(f"{e:.3g}") for b, e in zip(claim.budgets, bias2)},
+            "bias_max_z_smallest_budget": round(bias_z[0], 2),
+            "z_threshold": round(threshold, 3),
+            "bias_detected_smallest_budget": bias_z[0] > threshold,
+            "redraws": redraws,
+        },
+        verdict=verdict(ok),
+        **ids,
+    )

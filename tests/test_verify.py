@@ -1,0 +1,170 @@
+"""The verification framework: every checker passes a true claim and fails a false
+one (negative controls that stay in the suite)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import kernelattn_core as ka
+from kernelattn_core import claims as C
+from kernelattn_core.cli.main import main
+from kernelattn_core.verify import check_claim, claims_of, run_checks
+from kernelattn_core.verify.result import z_threshold
+from kernelattn_core.verify.symbolic import check_pmf
+
+from . import toy_plugin, verify_plugin
+
+
+@pytest.fixture
+def reg(monkeypatch: pytest.MonkeyPatch) -> ka.Registry:
+    import kernelattn_core.registry as registry_module
+
+    registry = ka.Registry(autoload=False)
+    registry.register_plugin(toy_plugin, "toys")
+    registry.register_plugin(verify_plugin, "verify-tests")
+    monkeypatch.setattr(registry_module, "_REGISTRY", registry)
+    return registry
+
+
+def _results(reg: ka.Registry, name: str, rule: str) -> list:  # type: ignore[type-arg]
+    entry = reg.get(name)
+    out = [check_claim(entry, c, "quick") for c in claims_of(entry) if c.rule == rule]
+    assert out, f"{name} has no {rule} claim"
+    for r in out:
+        assert r.verdict in ("pass", "fail") and r.numbers, r  # numbers, never a bare boolean
+    return out
+
+
+def _verdict(reg: ka.Registry, name: str, rule: str) -> str:
+    results = _results(reg, name, rule)
+    return "pass" if all(r.passed for r in results) else "fail"
+
+
+def test_z_threshold_controls_the_family_wise_false_failure_rate() -> None:
+    assert z_threshold(1) == pytest.approx(4.8916, abs=1e-3)  # two-sided 1e-6
+    assert z_threshold(16) > z_threshold(1)
+
+
+# --------------------------------------------------------------------------- symbolic
+def test_kn001_exact_coefficients(reg) -> None:  # type: ignore[no-untyped-def]
+    assert _verdict(reg, "good-exp", "KN001") == "pass"
+    bad = _results(reg, "off-by-one-term", "KN001")[0]
+    assert bad.verdict == "fail"
+    assert bad.numbers["first_bad_n"] == 5 and bad.numbers["mismatches"] == 1
+    assert bad.numbers["sympy_a_n"] == "1/120"
+
+
+def test_kn002_nonnegative_coefficients(reg) -> None:  # type: ignore[no-untyped-def]
+    assert _verdict(reg, "good-exp", "KN002") == "pass"
+    bad = _results(reg, "negative-coefficient", "KN002")[0]
+    assert bad.verdict == "fail" and bad.numbers["first_negative_n"] == 1
+    assert _verdict(reg, "negative-coefficient", "KN001") == "pass"  # its coefficients are right, only negative
+
+
+def test_kn003_torch_function_against_30_digits(reg) -> None:  # type: ignore[no-untyped-def]
+    assert _verdict(reg, "good-exp", "KN003") == "pass"
+    bad = _results(reg, "wrong-torch-function", "KN003")[0]
+    assert bad.verdict == "fail" and bad.numbers["min_digits_agreed"] < 9
+
+
+def test_sp001_pmf_sums_to_one_and_the_papers_pmf_does_not() -> None:
+    good = check_pmf(C.PmfSumsToOne(pmf=verify_plugin.geometric_pmf_s), plugin="t", target="t")
+    assert good.verdict == "pass" and good.numbers["sum"] == "1"
+    bad = check_pmf(C.PmfSumsToOne(pmf=verify_plugin.papers_pmf_s), plugin="t", target="t")
+    assert bad.verdict == "fail"
+    assert bad.numbers["sum"] == "1/s"  # = 1/(p - 1) with p = 1 + s
+
+
+def test_fm005_symbolic_expectation(reg) -> None:  # type: ignore[no-untyped-def]
+    assert _verdict(reg, "checked-prf", "FM005") == "pass"
+    bad = _results(reg, "wrong-claims", "FM005")[0]
+    assert bad.verdict == "fail" and bad.numbers["difference"] != "0"
+
+
+# --------------------------------------------------------------------------- high precision
+def test_hp001_quadrature_identity(reg) -> None:  # type: ignore[no-untyped-def]
+    good = _results(reg, "checked-prf", "HP001")[0]
+    assert good.verdict == "pass"
+    assert good.numbers["digits_agreed"] == "all" or good.numbers["digits_agreed"] >= 25
+    bad = _results(reg, "wrong-claims", "HP001")[0]
+    assert bad.verdict == "fail" and 10 < bad.numbers["digits_agreed"] < 25
+
+
+# --------------------------------------------------------------------------- statistical
+def test_fm001_unbiasedness_catches_a_three_percent_bias(reg) -> None:  # type: ignore[no-untyped-def]
+    good = _results(reg, "checked-prf", "FM001")[0]
+    assert good.verdict == "pass" and good.numbers["max_abs_z"] < good.numbers["z_threshold"]
+    bad = _results(reg, "biased-prf", "FM001")[0]
+    assert bad.verdict == "fail" and bad.numbers["max_abs_z"] > bad.numbers["z_threshold"]
+    assert 0.02 < bad.numbers["max_rel_bias"] < 0.05
+
+
+def test_fm002_positivity(reg) -> None:  # type: ignore[no-untyped-def]
+    assert _verdict(reg, "checked-prf", "FM002") == "pass"
+    assert _verdict(reg, "elu", "FM002") == "pass"
+    bad = _results(reg, "wrongly-positive", "FM002")[0]
+    assert bad.verdict == "fail" and bad.numbers["non_positive"] > 0
+
+
+def test_fm003_variance_against_closed_form(reg) -> None:  # type: ignore[no-untyped-def]
+    good = _results(reg, "checked-prf", "FM003")[0]
+    assert good.verdict == "pass" and 0.8 < good.numbers["worst_sample_over_declared"] < 1.25
+    bad = _results(reg, "wrong-claims", "FM003")[0]
+    assert bad.verdict == "fail"
+
+
+def test_fm004_error_decay_slope(reg) -> None:  # type: ignore[no-untyped-def]
+    good = _results(reg, "checked-prf", "FM004")[0]
+    assert good.verdict == "pass" and abs(good.numbers["slope"] + 1) < 0.2
+    bad = _results(reg, "wrong-claims", "FM004")[0]
+    assert bad.verdict == "fail"
+
+
+def test_at001_unbiased_attention(reg) -> None:  # type: ignore[no-untyped-def]
+    good = _results(reg, "toy-ra", "AT001")[0]
+    assert good.verdict == "pass"
+    bad = _results(reg, "falsely-unbiased", "AT001")[0]
+    assert bad.verdict == "fail" and bad.numbers["max_abs_z"] > bad.numbers["z_threshold"]
+
+
+def test_at002_consistency(reg) -> None:  # type: ignore[no-untyped-def]
+    good = _results(reg, "consistent-prf", "AT002")[0]
+    assert good.verdict == "pass"
+    assert good.numbers["bias_detected_smallest_budget"] is True  # self-normalised: biased at D = 4
+    assert _verdict(reg, "toy-ra", "AT002") == "pass"
+    bad = _results(reg, "not-consistent", "AT002")[0]
+    assert bad.verdict == "fail"
+
+
+def test_implied_claims_from_capability_data(reg) -> None:  # type: ignore[no-untyped-def]
+    rules = {c.rule for c in claims_of(reg.get("softmax"))}
+    assert {"KN001", "KN002", "KN003"} <= rules
+    assert {c.rule for c in claims_of(reg.get("toy-prf"))} == {"FM001", "FM002"}
+    assert {c.rule for c in claims_of(reg.get("toy-trig"))} == {"FM001"}
+
+
+def test_a_crashing_check_is_a_failure_with_the_reason(reg) -> None:  # type: ignore[no-untyped-def]
+    result = check_claim(reg.get("toy-prf"), C.EstimateVariance(variance=None))
+    assert result.verdict == "fail" and "variance is not set" in result.numbers["error"]
+
+
+# --------------------------------------------------------------------------- CLI
+def test_verify_cli_json_records_and_exit_code(reg, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["verify", "softmax", "toy-prf", "--format", "json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert {r["rule"] for r in records} == {"KN001", "KN002", "KN003", "FM001", "FM002"}
+    for r in records:
+        assert set(r) == {"rule", "plugin", "target", "claim", "numbers", "verdict"}
+        assert r["verdict"] == "pass" and isinstance(r["numbers"], dict)
+    assert main(["verify", "off-by-one-term", "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "KN001" in out and "fail" in out and "2 passed, 1 failed" in out
+
+
+def test_verify_by_plugin_name_and_unknown_name(reg, capsys) -> None:  # type: ignore[no-untyped-def]
+    results = run_checks(["toys"], registry=reg)
+    assert {r.target for r in results} == {"toy-prf", "toy-trig"} and all(r.passed for r in results)
+    assert main(["verify", "no-such-thing"]) == 2
+    assert "neither a plugin" in capsys.readouterr().err
