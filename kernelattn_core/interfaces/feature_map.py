@@ -147,9 +147,14 @@ class FeatureMap(nn.Module, ABC):
         generator: torch.Generator | None,
     ) -> torch.Tensor:
         """Draw ``normal``, ``uniform`` or ``rademacher`` samples of ``shape`` with the
-        dtype and device of ``like``; drawn on the generator's device (CPU by default)."""
+        dtype and device of ``like``.
+
+        Samples are drawn in float64 on the generator's device (CPU by default) and then
+        cast, so one generator seed gives the same draws (up to rounding) whatever the
+        module's dtype and device.
+        """
         device = generator.device if generator is not None else torch.device("cpu")
-        dtype = like.dtype if like.dtype in (torch.float32, torch.float64) else torch.float32
+        dtype = torch.float64
         if kind == "normal":
             out = torch.randn(shape, generator=generator, device=device, dtype=dtype)
         elif kind == "uniform":

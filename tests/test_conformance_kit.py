@@ -1,0 +1,118 @@
+"""The conformance kit on the built-ins and the toy plugin, and its negative controls."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+import torch
+
+import kernelattn_core as ka
+from kernelattn_core import hookimpl
+from kernelattn_core.testing import conformance_cases, conformance_tests
+
+from . import toy_plugin
+
+test_builtins_conform = conformance_tests("builtins")
+
+
+def _registry(*classes: type) -> ka.Registry:
+    import types
+
+    reg = ka.Registry(autoload=False)
+    reg.register_plugin(toy_plugin, "toys")
+    mod = types.ModuleType("extra")
+    mod.kernelattn_feature_maps = hookimpl(lambda: [c for c in classes if issubclass(c, ka.FeatureMap)])
+    mod.kernelattn_estimators = hookimpl(lambda: [c for c in classes if issubclass(c, ka.AttentionEstimator)])
+    reg.register_plugin(mod, "extra")
+    return reg
+
+
+@pytest.fixture
+def toys(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    import kernelattn_core.registry as registry_module
+
+    def install(*classes: type) -> ka.Registry:
+        reg = _registry(*classes)
+        monkeypatch.setattr(registry_module, "_REGISTRY", reg)
+        return reg
+
+    return install
+
+
+def _run(reg: ka.Registry, name: str, check: str) -> None:
+    (case,) = [c for c in conformance_cases(name, registry=reg, claims=False) if c.check == check]
+    case.run("quick")
+
+
+def test_toy_plugin_conforms(toys) -> None:  # type: ignore[no-untyped-def]
+    reg = toys()
+    cases = conformance_cases("toys", registry=reg)
+    assert len(cases) > 20
+    for case in cases:
+        case.run("quick")
+
+
+class ForgetsToSaveDraws(toy_plugin.ToyPRF):
+    """Negative control: the draws are a plain attribute, not a buffer."""
+
+    name: ClassVar[str] = "forgets-draws"
+
+    def _build(self, head_dim: int) -> None:
+        self.omega = torch.zeros(self.num_features, head_dim)
+
+    def _redraw(self, generator):  # type: ignore[no-untyped-def]
+        self.omega = self._draw("normal", tuple(self.omega.shape), self.omega, generator)
+
+
+class FlaggedPositive(toy_plugin.ToyTrig):
+    name: ClassVar[str] = "flagged-positive"
+    positive: ClassVar[bool] = True
+
+
+class MixesRows(toy_plugin.ToyPRF):
+    """Negative control: features of one row depend on the other rows."""
+
+    name: ClassVar[str] = "mixes-rows"
+
+    def _features(self, x, is_query):  # type: ignore[no-untyped-def]
+        return super()._features(x - x.mean(0, keepdim=True), is_query)
+
+
+class SecretlyRandom(ka.EluFeatureMap):
+    """Negative control: claims random=False but draws from the global generator."""
+
+    name: ClassVar[str] = "secretly-random"
+
+    def _features(self, x, is_query):  # type: ignore[no-untyped-def]
+        return super()._features(x, is_query) * (1 + torch.rand(()))
+
+
+class NoisyEval(ka.FeatureMapAttention):
+    """Negative control: redraws in eval mode."""
+
+    name: ClassVar[str] = "noisy-eval"
+
+    def __init__(self, num_features: int = 8, **options):  # type: ignore[no-untyped-def]
+        super().__init__("toy-prf", num_features=num_features, **options)
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        if self.feature_map.built:
+            self.feature_map.redraw()
+        return super()._attend(q, k, v, causal, key_padding_mask)
+
+
+@pytest.mark.parametrize(
+    ("cls", "check"),
+    [
+        (ForgetsToSaveDraws, "state_dict_round_trip"),
+        (FlaggedPositive, "positive_flag"),
+        (MixesRows, "batch_consistency"),
+        (SecretlyRandom, "determinism"),
+        (NoisyEval, "eval_determinism_and_state_dict"),
+    ],
+)
+def test_conformance_negative_controls(toys, cls: type, check: str) -> None:  # type: ignore[no-untyped-def]
+    reg = toys(cls)
+    with pytest.raises(AssertionError):
+        _run(reg, cls.name, check)
