@@ -36,8 +36,8 @@ class AttentionEstimator(nn.Module, ABC):
     The public :meth:`forward` validates and scales, then calls :meth:`_attend`
     (template method).
 
-    Class attributes
-    ----------------
+    Attributes
+    ----------
     name : str
         Unique registry name.
     unbiased : bool

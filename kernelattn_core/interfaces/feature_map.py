@@ -37,8 +37,11 @@ class FeatureMap(nn.Module, ABC):
     :meth:`_redraw` (fill the random buffers), :meth:`_feature_dim` and
     :meth:`_features`.
 
-    Class attributes (capability data, checked by the registry and the conformance kit)
-    ---------------------------------------------------------------------------------
+    The class attributes below are capability data, checked by the registry and the
+    conformance kit.
+
+    Attributes
+    ----------
     name : str
         Unique registry name.
     kernel : str or None

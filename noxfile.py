@@ -1,0 +1,95 @@
+"""nox sessions of kernelattn.
+
+Every session that needs torch installs ``torch==2.13.0`` first (the CPU build; an
+unpinned torch pulls several GB of CUDA packages), then the core and every plugin
+under ``plugins/`` as distributions, so tests go through real entry points.
+
+* ``tests``  — core and plugin test suites (claims at the quick level)
+* ``lint``   — ruff check and ruff format --check
+* ``docs``   — Sphinx, warnings as errors
+* ``formal`` — ``kernelattn verify --level full`` and the conformance kit at full level
+* ``bench``  — pytest-benchmark (not default)
+* ``demo``   — installs everything and runs ``kernelattn compare`` (not default)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+nox.options.sessions = ["lint", "tests", "docs"]
+nox.options.reuse_existing_virtualenvs = True
+
+ROOT = Path(__file__).parent
+TORCH = "torch==2.13.0"
+PLUGINS = sorted(str(p) for p in (ROOT / "plugins").glob("kernelattn-*") if (p / "pyproject.toml").exists())
+TUTORIAL = str(ROOT / "docs" / "tutorial" / "kernelattn-example")
+
+
+def install_all(session: nox.Session, *extra: str) -> None:
+    """torch pinned, then the core and every plugin (with their test extras)."""
+    session.install(TORCH)
+    session.install(f"{ROOT}[test]", *(f"{p}[test]" for p in PLUGINS), *extra)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Core and plugin tests, claims checked at the quick level."""
+    install_all(session)
+    session.install(TUTORIAL)
+    session.run(
+        "pytest",
+        "tests",
+        *(f"{p}/tests" for p in PLUGINS),
+        f"{TUTORIAL}/tests",
+        *session.posargs,
+        env={"OMP_NUM_THREADS": "2"},
+    )
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff lint and format check."""
+    session.install("ruff")
+    session.run("ruff", "check", ".", *session.posargs)
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the Sphinx docs with warnings as errors."""
+    install_all(session, "sphinx")
+    session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html", *session.posargs)
+
+
+@nox.session(default=False)
+def formal(session: nox.Session) -> None:
+    """Every declared claim at the full level."""
+    install_all(session)
+    session.install(TUTORIAL)
+    session.run("kernelattn", "verify", "--level", "full", "--no-progress", *session.posargs)
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """Benchmarks (pytest-benchmark), compared as ratios within one run."""
+    install_all(session)
+    session.run(
+        "pytest",
+        "tests/benchmarks",
+        *(f"{p}/tests" for p in PLUGINS),
+        "-m",
+        "benchmark",
+        "--benchmark-only",
+        "--benchmark-columns=min,median,max,rounds",
+        *session.posargs,
+    )
+
+
+@nox.session(default=False)
+def demo(session: nox.Session) -> None:
+    """Install the core and all plugins, then compare every estimator."""
+    install_all(session)
+    session.run("kernelattn", "plugins")
+    session.run("kernelattn", "compare", "--seq-len", "256", *session.posargs)
