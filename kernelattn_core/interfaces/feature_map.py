@@ -250,3 +250,8 @@ def _build_before_load(module: FeatureMap, state_dict: dict, prefix: str, *args:
     key = prefix + "_built_head_dim"
     if not module.built and key in state_dict and int(state_dict[key]) > 0:
         module.build(int(state_dict[key]))
+        # load_state_dict copies into the existing tensors, keeping their dtype: give the
+        # freshly built ones the saved floating dtype so the round trip is exact
+        saved = {v.dtype for k, v in state_dict.items() if k.startswith(prefix) and v.is_floating_point()}
+        if len(saved) == 1:
+            module.to(saved.pop())
