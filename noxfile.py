@@ -51,7 +51,7 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff lint and format check."""
-    session.install("ruff")
+    session.install("ruff==0.17.6")
     session.run("ruff", "check", ".", *session.posargs)
     session.run("ruff", "format", "--check", ".")
 
