@@ -1,0 +1,180 @@
+"""Closed-form target kernels of the learned spectral feature maps.
+
+Both kernels are parameterised by a Gaussian mixture with equal weights
+:math:`\\pi_c = 1/C` and components :math:`\\mathcal N(\\mu_c, A_c A_c^\\top)` (the
+reparameterisation :math:`\\omega = A_c n + \\mu_c`, :math:`n \\sim \\mathcal N(0, I)`; the
+paper calls :math:`A_c` "Σ_c", but the covariance it implies is :math:`A_c A_c^\\top`).
+With no parameters they reduce to the kernels the maps target at initialisation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+
+from kernelattn_core.errors import InputError
+from kernelattn_core.interfaces.kernel import Kernel, KernelFamily, ShiftInvariantKernel
+
+
+def _check_bandwidth(bandwidth: float) -> float:
+    if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not math.isfinite(bandwidth):
+        raise InputError(f"bandwidth: expected a finite positive number, got {bandwidth!r}")
+    if bandwidth <= 0:
+        raise InputError(f"bandwidth: expected a finite positive number, got {bandwidth!r}")
+    return float(bandwidth)
+
+
+def _mixture(
+    means: torch.Tensor | None, factors: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Validate ``means [C, d]`` and ``factors [C, d, d]`` (full) or ``[C, d]`` (diagonal)."""
+    if means is not None:
+        if not isinstance(means, torch.Tensor) or means.dim() != 2:
+            raise InputError(f"means: expected a tensor [C, d], got {getattr(means, 'shape', type(means).__name__)}")
+    if factors is not None:
+        if not isinstance(factors, torch.Tensor) or factors.dim() not in (2, 3):
+            raise InputError(
+                "factors: expected a tensor [C, d, d] (full) or [C, d] (diagonal), "
+                f"got {getattr(factors, 'shape', type(factors).__name__)}"
+            )
+        if factors.dim() == 3 and factors.shape[-1] != factors.shape[-2]:
+            raise InputError(f"factors: expected square matrices [C, d, d], got shape {tuple(factors.shape)}")
+        if means is not None and (factors.shape[0] != means.shape[0] or factors.shape[1] != means.shape[1]):
+            raise InputError(
+                f"factors: expected C = {means.shape[0]} components of dimension d = {means.shape[1]} as in means, "
+                f"got shape {tuple(factors.shape)}"
+            )
+    return means, factors
+
+
+def _transpose_apply(factors: torch.Tensor | None, v: torch.Tensor, bandwidth: float) -> torch.Tensor:
+    """:math:`A_c^\\top v` for every component: ``v [..., d]`` to ``[..., C, d]``."""
+    if factors is None:
+        return (v / bandwidth).unsqueeze(-2)  # A = I / sigma, C = 1
+    f = factors.to(v.dtype)
+    if f.dim() == 2:  # diagonal factors [C, d]
+        return v.unsqueeze(-2) * f  # [..., C, d]
+    return torch.einsum("...i,cij->...cj", v, f)  # (A_c^T v)_j = sum_i A_ij v_i
+
+
+def _components(means: torch.Tensor | None, factors: torch.Tensor | None) -> int:
+    if means is not None:
+        return int(means.shape[0])
+    return 1 if factors is None else int(factors.shape[0])
+
+
+def _check_dim(name: str, t: torch.Tensor | None, d: int) -> None:
+    if t is not None and t.shape[1] != d:
+        raise InputError(f"{name}: expected dimension d = {d} (the inputs' last dimension), got shape {tuple(t.shape)}")
+
+
+class SpectralMixtureKernel(ShiftInvariantKernel):
+    """The GMM-RKS kernel (a spectral mixture with equal weights):
+
+    .. math::
+        K(q, k) = \\frac{1}{C} \\sum_{c=1}^{C}
+        \\exp\\!\\left(-\\tfrac12 \\delta^\\top A_c A_c^\\top \\delta\\right) \\cos(\\mu_c^\\top \\delta),
+        \\qquad \\delta = q - k,
+
+    the characteristic function (real part) of the mixture
+    :math:`\\frac1C \\sum_c \\mathcal N(\\mu_c, A_c A_c^\\top)`. With no parameters
+    (``C = 1``, :math:`\\mu = 0`, :math:`A = I/\\sigma`) it is the RBF kernel
+    :math:`\\exp(-\\|\\delta\\|^2 / (2\\sigma^2))`, the target of GMM-RKS with ``mean_init_std=0``
+    and of fixed FastFood-RKS.
+
+    Parameters
+    ----------
+    means : Tensor ``[C, d]``, optional
+        :math:`\\mu_c`; zero when ``None``.
+    factors : Tensor ``[C, d, d]`` or ``[C, d]``, optional
+        Full factors :math:`A_c`, or the diagonals of diagonal factors; :math:`I/\\sigma` when ``None``.
+    bandwidth : float
+        :math:`\\sigma`, used only when ``factors`` is ``None``.
+
+    Notes
+    -----
+    Not positive in general (the cosine changes sign), so exact attention with it can
+    have negative weights; it is positive definite.
+    """
+
+    name: ClassVar[str] = "spectral-gmm"
+    positive: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        means: torch.Tensor | None = None,
+        factors: torch.Tensor | None = None,
+        *,
+        bandwidth: float = 1.0,
+    ) -> None:
+        self.means, self.factors = _mixture(means, factors)
+        self.bandwidth = _check_bandwidth(bandwidth)
+
+    def g(self, delta: torch.Tensor) -> torch.Tensor:
+        d = delta.shape[-1]
+        _check_dim("means", self.means, d)
+        _check_dim("factors", self.factors, d)
+        quad = _transpose_apply(self.factors, delta, self.bandwidth).pow(2).sum(-1)  # [..., C]
+        out = torch.exp(-0.5 * quad)
+        if self.means is not None:
+            out = out * torch.cos(delta @ self.means.to(delta.dtype).transpose(0, 1))  # [..., C]
+        return out.mean(-1)
+
+    def __repr__(self) -> str:
+        return f"SpectralMixtureKernel(C={_components(self.means, self.factors)}, bandwidth={self.bandwidth})"
+
+
+class GaussianPRFKernel(Kernel):
+    """The kernel of positive random features with Gaussian-mixture frequencies (GMM-PRF):
+
+    .. math::
+        K(q, k) = \\frac{1}{C} \\sum_{c=1}^{C}
+        \\exp\\!\\left(\\mu_c^\\top s + \\tfrac12 s^\\top A_c A_c^\\top s
+        - \\tfrac12 \\|q\\|^2 - \\tfrac12 \\|k\\|^2\\right), \\qquad s = q + k,
+
+    which is :math:`\\mathbb{E}_\\omega[e^{\\omega^\\top q - \\|q\\|^2/2} e^{\\omega^\\top k - \\|k\\|^2/2}]`
+    for :math:`\\omega \\sim \\frac1C \\sum_c \\mathcal N(\\mu_c, A_c A_c^\\top)`. Not
+    shift-invariant. With no parameters (``C = 1``, :math:`\\mu = 0`, :math:`A = I/\\sigma`)
+    and :math:`\\sigma = 1` it is the softmax kernel :math:`e^{q^\\top k}`.
+
+    Parameters
+    ----------
+    means : Tensor ``[C, d]``, optional
+    factors : Tensor ``[C, d, d]`` or ``[C, d]`` (diagonal, as GMM-PRF uses), optional
+    bandwidth : float
+        :math:`\\sigma` when ``factors`` is ``None``.
+    """
+
+    name: ClassVar[str] = "spectral-prf"
+    family: ClassVar[KernelFamily] = KernelFamily.GENERAL
+    positive: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        means: torch.Tensor | None = None,
+        factors: torch.Tensor | None = None,
+        *,
+        bandwidth: float = 1.0,
+    ) -> None:
+        self.means, self.factors = _mixture(means, factors)
+        self.bandwidth = _check_bandwidth(bandwidth)
+
+    def log_evaluate(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """:math:`\\log K(q_i, k_j)` by a log-sum-exp over components, ``[..., N, M]``."""
+        d = q.shape[-1]
+        _check_dim("means", self.means, d)
+        _check_dim("factors", self.factors, d)
+        s = q.unsqueeze(-2) + k.unsqueeze(-3)  # [..., N, M, d]
+        expo = 0.5 * _transpose_apply(self.factors, s, self.bandwidth).pow(2).sum(-1)  # [..., N, M, C]
+        if self.means is not None:
+            expo = expo + s @ self.means.to(s.dtype).transpose(0, 1)
+        norms = 0.5 * (q.pow(2).sum(-1).unsqueeze(-1) + k.pow(2).sum(-1).unsqueeze(-2))  # [..., N, M]
+        return torch.logsumexp(expo, dim=-1) - math.log(expo.shape[-1]) - norms
+
+    def _evaluate(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return self.log_evaluate(q, k).exp()
+
+    def __repr__(self) -> str:
+        return f"GaussianPRFKernel(C={_components(self.means, self.factors)}, bandwidth={self.bandwidth})"
