@@ -243,3 +243,38 @@ def test_causal_memory_does_not_grow_with_n_d_dv() -> None:
 
     per_token = (peak(2048) - peak(1024)) / 1024
     assert per_token < 0.05 * d_feat * dv * 4  # a cumulative-sum form costs d_feat*dv*4 bytes per token
+
+
+@pytest.mark.parametrize("name", ["elu", "toy-prf", "toy-trig"])
+@pytest.mark.parametrize("pieces", [[1] * 12, [5, 7], [3, 1, 8]])
+def test_decoding_state_resumes_exactly(use_registry, name: str, pieces: list[int]) -> None:
+    """Feeding a sequence in pieces with the returned state equals one causal call:
+    the normaliser never misses past keys when resuming from a cached state."""
+    q, k, v = qkv(n=12, d=8, seed=13)
+    mask = torch.zeros(2, 12, dtype=torch.bool)
+    mask[0, :2] = True  # padding at the start of batch 0
+    mask[1, 6] = True
+    est = ka.create(name, seed=4, chunk_size=4)
+    full = est(q, k, v, causal=True, key_padding_mask=mask)
+    state, outs, start = None, [], 0
+    for size in pieces:
+        sl = slice(start, start + size)
+        out, state = est.step(q[:, :, sl], k[:, :, sl], v[:, :, sl], state, key_padding_mask=mask[:, sl])
+        outs.append(out)
+        start += size
+    assert state.length == 12
+    torch.testing.assert_close(torch.cat(outs, dim=2), full, rtol=1e-10, atol=1e-12)
+
+
+def test_decoding_with_a_large_late_key_stays_finite(use_registry) -> None:
+    q, k, v = qkv(b=1, h=1, n=6, d=8, seed=1, dtype=torch.float32)
+    k = k.clone()
+    k[:, :, 4] = 30.0
+    est = ka.create("toy-prf", seed=0)
+    full = est(q, k, v, causal=True)
+    state, outs = None, []
+    for t in range(6):
+        out, state = est.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state)
+        outs.append(out)
+    assert torch.isfinite(torch.cat(outs, 2)).all()
+    torch.testing.assert_close(torch.cat(outs, 2), full, rtol=1e-4, atol=1e-5)

@@ -4,14 +4,15 @@ feature-map attention (linear in sequence length)."""
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, ClassVar
 
 import torch
 
-from .._validation import check_positive_int
+from .._validation import check_key_padding_mask, check_positive_int, check_qkv
 from ..engine.backends import Problem, select_backend
 from ..engine.naive import allowed_pairs, kernel_attention_naive
-from ..engine.torch_backend import compute_dtype
+from ..engine.torch_backend import CausalState, compute_dtype, feature_attention_step
 from ..errors import InputError
 from ..interfaces.estimator import AttentionEstimator
 from ..interfaces.feature_map import FeatureMap
@@ -186,10 +187,53 @@ class FeatureMapAttention(AttentionEstimator):
 
     def transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scaled and pre-transformed ``(q, k)`` as the feature map sees them."""
-        import math
-
         s = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         return self.normalizer.pre(q * math.sqrt(s), k * math.sqrt(s))
+
+    def step(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        state: CausalState | None = None,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, CausalState]:
+        """Causal attention of new positions given the state of the earlier ones (decoding).
+
+        Parameters
+        ----------
+        q, k, v : Tensor ``[B, H, T, d]``, ``[B, H, T, d]``, ``[B, H, T, dv]``
+            The next ``T`` positions (``T = 1`` when decoding token by token).
+        state : CausalState, optional
+            Returned by the previous call; ``None`` starts a sequence.
+        key_padding_mask : Tensor ``[B, T]`` of bool, optional
+            Padding among the new positions.
+
+        Returns
+        -------
+        out : Tensor ``[B, H, T, dv]``
+            Equal to the last ``T`` rows of ``forward(..., causal=True)`` over the whole
+            sequence so far.
+        state : CausalState
+            The running sums, to pass to the next call. Uses the torch backend, in eval
+            or training mode alike (no redraw happens between steps).
+        """
+        check_qkv(q, k, v)
+        if q.shape[2] != k.shape[2]:
+            raise InputError(f"k: expected as many new keys as new queries ({q.shape[2]}), got {k.shape[2]}")
+        mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
+        s = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        q, k = self.normalizer.pre(q * math.sqrt(s), k * math.sqrt(s))
+        fm = self.feature_map
+        if not fm.built:
+            self.redraw_policy.initial(fm, q.shape[-1])
+        phi_q, phi_k = fm.raw_features(q, query=True), fm.raw_features(k, query=False)
+        self.last_backend = "torch"
+        num, den, state = feature_attention_step(
+            phi_q, phi_k, v, log_space=fm.log_space, key_padding_mask=mask, state=state, chunk_size=self.chunk_size
+        )
+        return self.normalizer.post(self.normalizer.normalize(num, den)).to(v.dtype), state
 
     def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
         q, k = self.normalizer.pre(q, k)

@@ -8,5 +8,6 @@
 
 from .api import kernel_attention
 from .backends import Backend, Problem, backends, register_backend, select_backend
+from .torch_backend import CausalState
 
-__all__ = ["Backend", "Problem", "backends", "kernel_attention", "register_backend", "select_backend"]
+__all__ = ["Backend", "CausalState", "Problem", "backends", "kernel_attention", "register_backend", "select_backend"]

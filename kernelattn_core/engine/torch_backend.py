@@ -29,6 +29,8 @@ float16) and the caller casts the output back.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -84,7 +86,31 @@ def feature_attention_torch(
         s = fk.transpose(-1, -2) @ v  # [B, H, D, dv]
         z = fk.sum(-2)  # [B, H, D]
         return fq @ s, (fq @ z.unsqueeze(-1)).squeeze(-1)
-    return _causal_chunked(fq, phi_k, v, log_space, pad, chunk_size)
+    num, den, _ = _causal_chunked(fq, phi_k, v, log_space, pad, chunk_size)
+    return num, den
+
+
+@dataclass
+class CausalState:
+    """What causal feature-map attention carries from one call to the next (decoding).
+
+    Attributes
+    ----------
+    kv : Tensor ``[B, H, D, dv]``
+        :math:`\\sum_{j} \\hat\\phi_k(k_j) v_j^\\top` over every key seen so far.
+    z : Tensor ``[B, H, D]``
+        :math:`\\sum_{j} \\hat\\phi_k(k_j)`, the normaliser's running sum.
+    m : Tensor ``[B, H, 1]`` or None
+        For log-space maps, the stabiliser the sums are stated at (the running maximum
+        of the key log-features); ``None`` for plain features.
+    length : int
+        Number of positions consumed.
+    """
+
+    kv: torch.Tensor
+    z: torch.Tensor
+    m: torch.Tensor | None
+    length: int
 
 
 def _causal_chunked(
@@ -94,24 +120,32 @@ def _causal_chunked(
     log_space: bool,
     pad: torch.Tensor | None,
     chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    state: CausalState | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, CausalState]:
     b, h, n, d_feat = fq.shape
     dv = v.shape[-1]
+    m = m_prev = None
     if log_space:
         lk = phi_k if pad is None else phi_k.masked_fill(pad, float("-inf"))
         m = lk.detach().amax(-1).cummax(-1).values  # [B, H, N] prefix max: causal
+        if state is not None and state.m is not None:
+            m = torch.maximum(m, state.m)  # the prefix continues from earlier calls
         # positions before the first valid key have m = -inf; give them the first finite
         # value (their outputs are exactly zero whatever m is, and m stays monotone)
         first = torch.where(torch.isfinite(m), m, torch.full_like(m, float("inf"))).amin(-1, keepdim=True)
         first = torch.where(torch.isfinite(first), first, torch.zeros_like(first))
         m = torch.where(torch.isfinite(m), m, first)
         fk = (lk - m.unsqueeze(-1)).exp()  # [B, H, N, D], entries <= 1, padded keys 0
+        m_prev = m[..., :1]  # [B, H, 1]: stabiliser the running sums are stated at
+        if state is not None and state.m is not None:
+            m_prev = torch.where(torch.isfinite(state.m), state.m, m_prev)
     else:
-        m = None
         fk = phi_k if pad is None else phi_k.masked_fill(pad, 0.0)
-    state = fq.new_zeros(b, h, d_feat, dv)  # [B, H, D, dv]
-    norm = fq.new_zeros(b, h, d_feat)  # [B, H, D]
-    m_prev = None if m is None else m[..., :1]  # [B, H, 1]: stabiliser the state is stored at
+    if state is None:
+        kv = fq.new_zeros(b, h, d_feat, dv)  # [B, H, D, dv]
+        z = fq.new_zeros(b, h, d_feat)  # [B, H, D]
+    else:
+        kv, z = state.kv.to(fq.dtype), state.z.to(fq.dtype)
     tri = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=fq.device).tril()
     nums, dens = [], []
     for start in range(0, n, chunk_size):
@@ -121,25 +155,48 @@ def _causal_chunked(
         a = qc @ kc.transpose(-1, -2)  # [B, H, C, C]
         if m is None:
             a = a.masked_fill(~tri[:c, :c], 0.0)
-            num = a @ vc + qc @ state
-            den = a.sum(-1) + (qc @ norm.unsqueeze(-1)).squeeze(-1)
+            num = a @ vc + qc @ kv
+            den = a.sum(-1) + (qc @ z.unsqueeze(-1)).squeeze(-1)
         else:
             mc = m[..., start:stop]  # [B, H, C]
             gap = (mc.unsqueeze(-2) - mc.unsqueeze(-1)).masked_fill(~tri[:c, :c], float("-inf"))
             a = a * gap.exp()  # gate e^{m_j - m_t} <= 1 on j <= t, 0 above the diagonal
             past = (m_prev - mc).exp()  # [B, H, C] <= 1: state to query stabiliser
-            num = a @ vc + (qc @ state) * past.unsqueeze(-1)
-            den = a.sum(-1) + (qc @ norm.unsqueeze(-1)).squeeze(-1) * past
+            num = a @ vc + (qc @ kv) * past.unsqueeze(-1)
+            den = a.sum(-1) + (qc @ z.unsqueeze(-1)).squeeze(-1) * past
         nums.append(num)
         dens.append(den)
         if m is None:
-            state = state + kc.transpose(-1, -2) @ vc
-            norm = norm + kc.sum(-2)
+            kv = kv + kc.transpose(-1, -2) @ vc
+            z = z + kc.sum(-2)
         else:
             m_new = mc[..., -1:]  # [B, H, 1]
             decay = (m_prev - m_new).exp()  # <= 1
             kc = kc * (mc - m_new).exp().unsqueeze(-1)  # keys restated at m_new, <= 1
-            state = state * decay.unsqueeze(-1) + kc.transpose(-1, -2) @ vc
-            norm = norm * decay + kc.sum(-2)
+            kv = kv * decay.unsqueeze(-1) + kc.transpose(-1, -2) @ vc
+            z = z * decay + kc.sum(-2)
             m_prev = m_new
-    return torch.cat(nums, dim=2), torch.cat(dens, dim=2)
+    length = (0 if state is None else state.length) + n
+    return torch.cat(nums, dim=2), torch.cat(dens, dim=2), CausalState(kv, z, m_prev, length)
+
+
+def feature_attention_step(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    log_space: bool,
+    key_padding_mask: torch.Tensor | None,
+    state: CausalState | None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor, CausalState]:
+    """Causal attention of new positions given the state of all earlier ones.
+
+    Feeding a sequence in pieces (one token at a time when decoding) gives the same
+    numerator and denominator as one causal call over the whole sequence; the
+    returned state continues it.
+    """
+    dtype = compute_dtype(phi_q.dtype)
+    phi_q, phi_k, v = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
+    pad = None if key_padding_mask is None else key_padding_mask[:, None, :, None]
+    return _causal_chunked(_query_side(phi_q, log_space), phi_k, v, log_space, pad, chunk_size, state)
