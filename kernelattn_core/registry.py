@@ -11,7 +11,7 @@ Environment switches
 ``KERNELATTN_BLOCK_PLUGINS=name1,name2``
     Skip the named entry points.
 ``KERNELATTN_TRACE_HOOKS=1``
-    Print every hook call to stderr (pluggy tracing).
+    Print every hook call and what it returned to stderr.
 
 A plugin that fails to import, raises in a hook, or returns a bad class is reported
 as a :class:`~kernelattn_core.errors.PluginWarning` naming the plugin and the error;
@@ -118,9 +118,7 @@ class Registry:
         self.strict = strict
         self._pm = pluggy.PluginManager(hookspecs.PROJECT)
         self._pm.add_hookspecs(hookspecs)
-        if _truthy(os.environ.get("KERNELATTN_TRACE_HOOKS")):
-            self._pm.trace.root.setwriter(sys.stderr.write)
-            self._pm.enable_tracing()
+        self.trace = _truthy(os.environ.get("KERNELATTN_TRACE_HOOKS"))
         self._entries: dict[str, Entry] = {}
         self._aliases: dict[str, str] = {}
         self._plugins: dict[str, PluginInfo] = {}
@@ -200,7 +198,7 @@ class Registry:
             if impl.plugin is not plugin:
                 continue
             try:
-                result = impl.function() or []
+                result = self._call(impl, "kernelattn_experiments", info.name) or []
             except Exception as exc:
                 self._problem(info.name, f"hook kernelattn_experiments raised {type(exc).__name__}: {exc}")
                 continue
@@ -216,6 +214,17 @@ class Registry:
     def experiments(self) -> dict[str, Experiment]:
         """Experiments contributed by plugins, by name."""
         return {name: exp for name, (exp, _) in self._experiments.items()}
+
+    def _call(self, impl: Any, hook_name: str, plugin: str) -> Any:
+        """Call one plugin's implementation of a hook (each plugin alone, so that one
+        failing plugin cannot take the others down), tracing it when asked."""
+        if self.trace:
+            print(f"kernelattn: calling {hook_name} of plugin {plugin!r}", file=sys.stderr)
+        result = impl.function()
+        if self.trace:
+            got = [getattr(c, "name", repr(c)) for c in result] if isinstance(result, list | tuple) else result
+            print(f"kernelattn: {hook_name} of plugin {plugin!r} returned {got}", file=sys.stderr)
+        return result
 
     def _add(self, kind: str, cls: object, info: PluginInfo) -> None:
         interface, hook_name, flags = KINDS[kind]

@@ -205,3 +205,14 @@ def test_block_list_skips_named_plugins(installed_plugins: Path, monkeypatch: py
 def test_strict_mode_raises_on_a_broken_entry_point(installed_plugins: Path) -> None:
     with pytest.raises(PluginError, match="'broken'.*failed to import"):
         ka.Registry(autoload=True, strict=True)
+
+
+def test_trace_switch_prints_every_hook_call(monkeypatch: pytest.MonkeyPatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("KERNELATTN_TRACE_HOOKS", "1")
+    ka.Registry(autoload=False)
+    err = capsys.readouterr().err
+    assert "calling kernelattn_kernels of plugin 'builtins'" in err
+    assert "kernelattn_estimators of plugin 'builtins' returned ['exact', 'feature-map']" in err
+    monkeypatch.delenv("KERNELATTN_TRACE_HOOKS")
+    ka.Registry(autoload=False)
+    assert capsys.readouterr().err == ""
