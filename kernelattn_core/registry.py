@@ -179,7 +179,7 @@ class Registry:
                 if impl.plugin is not plugin:
                     continue
                 try:
-                    result = impl.function()
+                    result = self._call(impl, hook_name, name)
                 except Exception as exc:
                     self._problem(name, f"hook {hook_name} raised {type(exc).__name__}: {exc}")
                     continue
