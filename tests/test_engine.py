@@ -278,3 +278,18 @@ def test_decoding_with_a_large_late_key_stays_finite(use_registry) -> None:
         outs.append(out)
     assert torch.isfinite(torch.cat(outs, 2)).all()
     torch.testing.assert_close(torch.cat(outs, 2), full, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fully_masked_rows_have_finite_gradients(use_registry, dtype: torch.dtype) -> None:
+    """A query with no allowed key outputs zeros with zero, finite gradients (a tiny
+    denominator's reciprocal would overflow in the backward pass)."""
+    q, k, v = (t.requires_grad_(True) for t in qkv(b=1, h=1, n=6, d=4, dtype=dtype, seed=3))
+    mask = torch.zeros(1, 6, dtype=torch.bool)
+    mask[0, :2] = True
+    for name in ("elu", "toy-prf"):
+        est = ka.create(name, seed=0).to(dtype)
+        out = est(q, k, v, causal=True, key_padding_mask=mask)
+        grads = torch.autograd.grad((100.0 * out).sum(), (q, k, v))
+        assert all(torch.isfinite(g).all() for g in grads)
+        assert (grads[0][..., :2, :] == 0).all()  # the empty rows send no gradient to their queries

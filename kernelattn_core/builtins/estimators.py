@@ -115,8 +115,9 @@ class FeatureMapAttention(AttentionEstimator):
     feature_map : FeatureMap or str
         The map, or its registry name (then ``num_features`` and
         ``**feature_map_options`` build it).
-    normalizer : Normalizer or str
-        ``"row"`` (plain row normalisation) by default.
+    normalizer : Normalizer or str, optional
+        The map's ``default_normalizer`` (``"row"``, plain row normalisation, unless the
+        map names another) when ``None``.
     num_features : int, optional
         The feature budget :math:`D` (the map's default when ``None``).
     head_dim : int, optional
@@ -144,7 +145,7 @@ class FeatureMapAttention(AttentionEstimator):
     def __init__(
         self,
         feature_map: FeatureMap | str = "elu",
-        normalizer: Normalizer | str = "row",
+        normalizer: Normalizer | str | None = None,
         *,
         num_features: int | None = None,
         head_dim: int | None = None,
@@ -170,6 +171,8 @@ class FeatureMapAttention(AttentionEstimator):
             if num_features is not None:
                 options["num_features"] = num_features
             self.feature_map = _construct("feature map", registry.feature_map(feature_map), "create", options)
+        if normalizer is None:
+            normalizer = self.feature_map.default_normalizer
         if isinstance(normalizer, Normalizer):
             self.normalizer = normalizer
         else:
@@ -224,10 +227,11 @@ class FeatureMapAttention(AttentionEstimator):
             raise InputError(f"k: expected as many new keys as new queries ({q.shape[2]}), got {k.shape[2]}")
         mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
         s = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        q, k = self.normalizer.pre(q * math.sqrt(s), k * math.sqrt(s))
+        q, k = self.normalizer.pre(q * math.sqrt(s), k * math.sqrt(s), key_padding_mask=mask)
         fm = self.feature_map
         if not fm.built:
             self.redraw_policy.initial(fm, q.shape[-1])
+        fm.prepare(q, k, key_padding_mask=mask, causal=True)
         phi_q, phi_k = fm.raw_features(q, query=True), fm.raw_features(k, query=False)
         self.last_backend = "torch"
         num, den, state = feature_attention_step(
@@ -236,12 +240,12 @@ class FeatureMapAttention(AttentionEstimator):
         return self.normalizer.post(self.normalizer.normalize(num, den)).to(v.dtype), state
 
     def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
-        q, k = self.normalizer.pre(q, k)
+        q, k = self.normalizer.pre(q, k, key_padding_mask=key_padding_mask)
         fm = self.feature_map
         if not fm.built:
             self.redraw_policy.initial(fm, q.shape[-1])
         self.redraw_policy.before_forward(fm, self.training)
-        fm.prepare(q, k)
+        fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)
         phi_q = fm.raw_features(q, query=True)  # [B, H, N, D]
         phi_k = fm.raw_features(k, query=False)  # [B, H, M, D]
         problem = Problem(q.device, q.dtype, fm.log_space, causal, torch.is_grad_enabled())

@@ -12,6 +12,7 @@ from torch import nn
 
 from .._validation import check_positive_int, check_tensor
 from ..errors import InputError
+from .kernel import Kernel
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -61,6 +62,10 @@ class FeatureMap(nn.Module, ABC):
         causal-safe stabilisers.
     has_budget : bool
         Whether ``num_features`` sets the feature count.
+    default_normalizer : str
+        Registry name of the normaliser feature-map attention uses with this map unless
+        told otherwise (``"row"``; signed maps may name one that handles denominators
+        near zero).
     """
 
     name: ClassVar[str]
@@ -73,6 +78,7 @@ class FeatureMap(nn.Module, ABC):
     log_space: ClassVar[bool] = False
     has_budget: ClassVar[bool] = True
     default_num_features: ClassVar[int] = 256
+    default_normalizer: ClassVar[str] = "row"
     claims: ClassVar[tuple[Any, ...]] = ()
 
     def __init__(
@@ -132,13 +138,23 @@ class FeatureMap(nn.Module, ABC):
     def _redraw(self, generator: torch.Generator | None) -> None:
         """Fill the random buffers (called under ``torch.no_grad``)."""
 
-    def prepare(self, q: torch.Tensor, k: torch.Tensor) -> None:
+    def prepare(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+        causal: bool = False,
+    ) -> None:
         """See the queries and keys of a forward call before their features are made.
 
         Called by feature-map attention with the scaled, pre-transformed
-        ``q [B, H, N, d]`` and ``k [B, H, M, d]``. Data-adapted maps (CEXP) update their
-        statistics here in training mode and keep them frozen in eval mode. The
-        default does nothing.
+        ``q [B, H, N, d]`` and ``k [B, H, M, d]``, the call's ``key_padding_mask``
+        (``[B, M]``, ``True`` = padded; padded keys must not enter any statistic) and
+        its ``causal`` flag (statistics of the current sequence would leak later
+        tokens into earlier outputs, so causal calls may only use statistics of
+        earlier batches). Data-adapted maps (CEXP) update their statistics here in
+        training mode and keep them frozen in eval mode. The default does nothing.
         """
 
     # ------------------------------------------------------------------ helpers for subclasses
@@ -223,19 +239,23 @@ class FeatureMap(nn.Module, ABC):
         """:math:`\\log \\phi_k(x)` (log-space maps only; float32 for half inputs)."""
         return self._log(x, False, "x")
 
-    def exact_kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The exact target :math:`K(x_i, y_j)`, ``[..., N, M]``, for the map's current
-        parameters; what :meth:`kernel_estimate` estimates.
+    def target_kernel(self) -> Kernel:
+        """The exact kernel this map estimates, as configured (options, learned parameters).
 
-        The default evaluates the registered kernel named by ``kernel`` with default
-        options; maps whose target depends on options or learned parameters (a
-        lengthscale, mixture parameters) override this.
+        The default builds the registered kernel named by ``kernel`` with default
+        options; maps whose target depends on options (a lengthscale) or on learned
+        parameters (mixture components) override this.
         """
         if self.kernel is None:
             raise InputError(f"{self.name!r}: the map declares no target kernel (kernel = None)")
         from ..registry import get_registry
 
-        return get_registry().kernel(self.kernel)()(x, y)
+        return get_registry().kernel(self.kernel)()
+
+    def exact_kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The exact target :math:`K(x_i, y_j)`, ``[..., N, M]``, for the map's current
+        configuration: what :meth:`kernel_estimate` estimates. Uses :meth:`target_kernel`."""
+        return self.target_kernel()(x, y)
 
     def kernel_estimate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """:math:`\\hat K(x_i, y_j) = \\phi_q(x_i)^\\top \\phi_k(y_j)`, ``[..., N, M]``."""

@@ -30,8 +30,8 @@ class Normalizer(nn.Module):
         Denominators with :math:`|\\mathrm{den}| <` ``eps`` are replaced by
         :math:`\\pm` ``eps`` (keeping their sign; ``+`` for zero). The default is the
         smallest normal number of the compute dtype, so the rule fires only for rows
-        whose denominator is exactly zero or underflowed: a query whose keys are all
-        masked has ``num = den = 0`` and gets a zero output, not NaN.
+        whose denominator underflowed. A query whose keys are all masked has
+        ``num = den = 0`` exactly and gets a zero output (and zero gradient), not NaN.
     """
 
     name: ClassVar[str]
@@ -43,16 +43,28 @@ class Normalizer(nn.Module):
         super().__init__()
         self.eps = eps
 
-    def pre(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Transform ``q [B, H, N, d]`` and ``k [B, H, M, d]`` before the features."""
+    def pre(
+        self, q: torch.Tensor, k: torch.Tensor, *, key_padding_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Transform ``q [B, H, N, d]`` and ``k [B, H, M, d]`` before the features.
+
+        ``key_padding_mask [B, M]`` (``True`` = padded) is given so that statistics over
+        keys can leave padding out.
+        """
         return q, k
 
     def normalize(self, num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-        """Row normalisation ``num [B, H, N, dv] / den [B, H, N]``."""
+        """Row normalisation ``num [B, H, N, dv] / den [B, H, N]``.
+
+        A row with ``den == 0`` exactly (every key masked, so ``num == 0`` too) gives
+        zeros with zero gradient; the division never sees a tiny denominator whose
+        reciprocal would overflow in the backward pass.
+        """
         eps = self.eps if self.eps is not None else torch.finfo(den.dtype).tiny
-        small = den.abs() < eps
+        zero = den == 0
+        small = (den.abs() < eps) & ~zero
         sign = torch.where(den < 0, -1.0, 1.0).to(den.dtype)
-        safe = torch.where(small, sign * eps, den)
+        safe = torch.where(zero, torch.ones_like(den), torch.where(small, sign * eps, den))
         return num / safe.unsqueeze(-1)
 
     def post(self, out: torch.Tensor) -> torch.Tensor:
