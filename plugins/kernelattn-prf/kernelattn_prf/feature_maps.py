@@ -1,0 +1,553 @@
+"""Positive random features (Performer FAVOR+), their hyperbolic variant, and CEXP / HCEXP.
+
+All four maps are log-space maps: :meth:`_features` returns :math:`\\log\\phi` and the
+engine applies exact, causal-safe stabilisers. They share the random vectors
+:math:`\\omega_1..\\omega_m` between the query and the key map.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from kernelattn_core import FeatureMap, InputError
+from kernelattn_core.claims import (
+    ErrorDecay,
+    EstimateVariance,
+    PositiveFeatures,
+    SymbolicExpectation,
+    UnbiasedKernelEstimate,
+)
+
+from . import adaptation
+from .sampling import block_orthogonal_rows, chi_norms, num_blocks
+from .theory import (
+    derive_cexp_1d,
+    derive_hcexp_1d,
+    derive_prf_1d,
+    derive_prf_hyperbolic_1d,
+    estimate_variance,
+)
+
+NORMS = ("chi", "fixed")
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise InputError(f"{name}: expected a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+class PositiveRandomFeatures(FeatureMap):
+    """Positive random features of Performer (FAVOR+) for the softmax kernel.
+
+    .. math:: \\phi(x) = \\frac{1}{\\sqrt m}\\Big(e^{\\omega_i^\\top x - \\|x\\|^2/2}\\Big)_{i=1}^{m},
+              \\qquad \\mathbb{E}_\\omega\\big[\\phi(x)^\\top\\phi(y)\\big] = e^{x^\\top y},
+
+    with :math:`\\omega_i \\sim N(0, I_d)` iid, or block-orthogonal (``orthogonal=True``):
+    the rows of each :math:`d\\times d` block are the rows of a Haar orthogonal matrix
+    (QR of a Gaussian matrix with the sign correction :math:`Q\\,\\mathrm{diag}(\\mathrm{sign}\\,R_{ii})`),
+    scaled by chi-distributed norms (``norm="chi"``: each row is marginally
+    :math:`N(0, I_d)`, so the estimate stays unbiased) or by :math:`\\sqrt d`
+    (``norm="fixed"``: slightly biased, lower variance).
+
+    Computed in log space: ``_features`` returns
+    :math:`\\omega_i^\\top x - \\|x\\|^2/2 - \\tfrac12\\log D`.
+
+    Parameters
+    ----------
+    head_dim : int, optional
+        :math:`d`; the map is built on first use when omitted.
+    num_features : int, optional
+        :math:`m`, the number of random vectors (256 by default).
+    orthogonal : bool
+        Block-orthogonal rows instead of iid Gaussian rows.
+    norm : {"chi", "fixed"}
+        Row norms of orthogonal features.
+    generator : torch.Generator, optional
+        Source of the first draw.
+
+    Attributes
+    ----------
+    omega : Tensor ``[m, d]``
+        The random vectors (a buffer: saved in ``state_dict``).
+
+    Notes
+    -----
+    Claims (checked by ``kernelattn verify prf`` and by the plugin's tests):
+    unbiased for :math:`e^{x^\\top y}` (FM001, iid and orthogonal-chi; symbolic in 1-D,
+    FM005), positive (FM002), single-pair variance
+    :math:`\\frac1m \\mathrm{SM}^2 (e^{\\|x+y\\|^2} - 1)` for iid rows (FM003), and MSE
+    falling as :math:`1/m` (FM004).
+
+    References
+    ----------
+    Choromanski et al., "Rethinking Attention with Performers", ICLR 2021.
+
+    Examples
+    --------
+    >>> import torch
+    >>> fm = PositiveRandomFeatures(head_dim=4, num_features=8, generator=torch.Generator().manual_seed(0))
+    >>> fm.query(torch.zeros(2, 4)).shape
+    torch.Size([2, 8])
+    """
+
+    name: ClassVar[str] = "prf"
+    aliases: ClassVar[tuple[str, ...]] = ("favor+", "performer")
+    kernel: ClassVar[str | None] = "softmax"
+    unbiased: ClassVar[bool] = True
+    positive: ClassVar[bool] = True
+    learnable: ClassVar[bool] = False
+    random: ClassVar[bool] = True
+    log_space: ClassVar[bool] = True
+    has_budget: ClassVar[bool] = True
+    default_num_features: ClassVar[int] = 256
+    #: whether the map uses both signs of each omega (2m features)
+    two_sided: ClassVar[bool] = False
+    claims: ClassVar[tuple[Any, ...]] = (
+        UnbiasedKernelEstimate(dims=(16, 64)),
+        UnbiasedKernelEstimate(dims=(16, 64), options={"orthogonal": True}),
+        PositiveFeatures(),
+        EstimateVariance(variance=estimate_variance),
+        ErrorDecay(),
+        SymbolicExpectation(derive=derive_prf_1d),
+    )
+
+    def __init__(
+        self,
+        head_dim: int | None = None,
+        num_features: int | None = None,
+        *,
+        orthogonal: bool = False,
+        norm: str = "chi",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.orthogonal = _check_bool("orthogonal", orthogonal)
+        if norm not in NORMS:
+            raise InputError(f"norm: expected one of {list(NORMS)}, got {norm!r}")
+        self.norm = norm
+        super().__init__(head_dim, num_features, generator=generator)
+
+    # ------------------------------------------------------------------ lifecycle
+    def _build(self, head_dim: int) -> None:
+        self.register_buffer("omega", torch.empty(self.num_features, head_dim))
+
+    def _redraw(self, generator: torch.Generator | None) -> None:
+        m, d = self.omega.shape
+        if not self.orthogonal:
+            self.omega.copy_(self._draw("normal", (m, d), like=self.omega, generator=generator))
+            return
+        nb = num_blocks(m, d)
+        g = self._draw("normal", (nb, d, d), like=self.omega, generator=generator)  # [nb, d, d]
+        if self.norm == "chi":
+            norms: torch.Tensor | float = chi_norms(
+                self._draw("normal", (nb, d, d), like=self.omega, generator=generator)
+            )  # [nb, d]
+        else:
+            norms = math.sqrt(d)
+        self.omega.copy_(block_orthogonal_rows(g, m, norms))
+
+    def _feature_dim(self) -> int:
+        return 2 * self.num_features if self.two_sided else self.num_features
+
+    # ------------------------------------------------------------------ features
+    def transform(self, x: torch.Tensor, *, query: bool) -> torch.Tensor:
+        """The input the exponential sees: ``x`` itself for PRF (``A x`` / ``A^{-T} y`` for CEXP)."""
+        return x
+
+    def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        x = self.transform(x, query=is_query)
+        w = self.omega.to(dtype=x.dtype, device=x.device)
+        proj = x @ w.mT  # [..., m]
+        if self.two_sided:
+            proj = torch.cat([proj, -proj], dim=-1)  # [..., 2m]
+        half_sq = 0.5 * (x * x).sum(-1, keepdim=True)  # [..., 1]
+        return proj - half_sq - 0.5 * math.log(proj.shape[-1])
+
+    def extra_repr(self) -> str:
+        extra = f", orthogonal=True, norm={self.norm!r}" if self.orthogonal else ""
+        return super().extra_repr() + extra
+
+
+class HyperbolicPositiveRandomFeatures(PositiveRandomFeatures):
+    """Two-sided (hyperbolic, antithetic) positive random features, :math:`2m` features.
+
+    .. math:: \\phi(x) = \\frac{e^{-\\|x\\|^2/2}}{\\sqrt{2m}}
+              \\big(e^{\\omega_1^\\top x},..,e^{\\omega_m^\\top x},
+              e^{-\\omega_1^\\top x},..,e^{-\\omega_m^\\top x}\\big),
+
+    .. math:: \\phi(x)^\\top\\phi(y) = \\frac{e^{-(\\|x\\|^2+\\|y\\|^2)/2}}{m}
+              \\sum_i \\cosh(\\omega_i^\\top(x+y)).
+
+    ``num_features`` is :math:`m`, the number of random vectors; ``feature_dim`` is
+    :math:`2m`. Options as :class:`PositiveRandomFeatures`.
+
+    Notes
+    -----
+    Claims: unbiased (FM001, FM005), positive (FM002), single-pair variance
+    :math:`\\frac{1}{2m}\\mathrm{SM}^2 (2\\sinh(\\|x+y\\|^2/2))^2` (FM003, iid rows), which
+    is :math:`1 - e^{-\\|x+y\\|^2} < 1` times the variance of plain PRF with the
+    same number :math:`2m` of features.
+    """
+
+    name: ClassVar[str] = "prf-hyperbolic"
+    aliases: ClassVar[tuple[str, ...]] = ("favor+-hyperbolic",)
+    two_sided: ClassVar[bool] = True
+    claims: ClassVar[tuple[Any, ...]] = (
+        UnbiasedKernelEstimate(dims=(16, 64)),
+        UnbiasedKernelEstimate(dims=(16, 64), options={"orthogonal": True}),
+        PositiveFeatures(),
+        EstimateVariance(variance=estimate_variance),
+        ErrorDecay(),
+        SymbolicExpectation(derive=derive_prf_hyperbolic_1d),
+    )
+
+
+class ComplexExponentialFeatures(PositiveRandomFeatures):
+    """CEXP: positive random features of :math:`(Ax, A^{-T}y)` with a real invertible :math:`A`.
+
+    .. math:: \\phi_q(x) = \\frac{1}{\\sqrt m}\\Big(e^{\\omega_i^\\top Ax - \\|Ax\\|^2/2}\\Big)_i, \\quad
+              \\phi_k(y) = \\frac{1}{\\sqrt m}\\Big(e^{\\omega_i^\\top A^{-T}y - \\|A^{-T}y\\|^2/2}\\Big)_i,
+
+    with shared :math:`\\omega`. Since :math:`(Ax)^\\top(A^{-T}y) = x^\\top y`, the estimate
+    is unbiased for :math:`e^{x^\\top y}` for every :math:`A`, and its MSE (Lemma 3.1) is
+    :math:`\\frac1m\\mathrm{SM}^2(e^{\\|z\\|^2} - 1)` with :math:`z = Ax + A^{-T}y`:
+    :math:`A` is chosen to make :math:`\\|z\\|` small for the data.
+
+    Rules for :math:`A` (``rule``):
+
+    * ``"identity"``: :math:`A = I`; exactly PRF (bit for bit, same :math:`\\omega`).
+    * ``"means"``: diagonal, :math:`a_i = \\sqrt{|\\mu_{y,i}|/|\\mu_{x,i}|}` (HRF rule).
+    * ``"variance"``: diagonal, :math:`a_i = ((\\sigma_{y,i}^2+\\mu_{y,i}^2)/(\\sigma_{x,i}^2+\\mu_{x,i}^2))^{1/4}`
+      (Lemma 3.4), unbiased sample variance (``ddof = 1``).
+    * ``"full"``: :math:`A = (B^\\star)^{1/2}` with :math:`B^\\star = M_x^{-1} \\# M_y`, the matrix
+      geometric mean of the second-moment matrices :math:`M = \\Sigma + \\mu\\mu^\\top`
+      (minimises :math:`\\mathbb{E}\\|Ax\\|^2 + \\mathbb{E}\\|A^{-T}y\\|^2` over all :math:`A`).
+    * ``"fixed"``: a given ``matrix`` (a float :math:`c` for :math:`cI`, a vector for a
+      diagonal, or a ``[d, d]`` matrix).
+
+    Statistics are per component, pooled over batch, heads and positions of the
+    (scaled) queries ``x`` and keys ``y`` that :meth:`prepare` sees. In training mode
+    :math:`A` comes from the batch statistics (``use_batch_stats=True``) and running
+    estimates are updated with ``momentum`` (the first batch initialises them); in eval
+    mode :math:`A` comes from the running estimates, frozen (a map that has tracked no
+    statistics yet, e.g. a fresh model put in eval mode, uses :math:`A = I`). Causal
+    calls use only the running estimates of earlier batches; padded keys enter no
+    statistic (see :meth:`prepare`). :meth:`fit` sets the running estimates from given data.
+    Statistics are detached: no gradient flows through :math:`A`. Every rule is guarded by the floor ``eps`` (see
+    :mod:`kernelattn_prf.adaptation`).
+
+    Parameters
+    ----------
+    head_dim, num_features, orthogonal, norm, generator
+        As :class:`PositiveRandomFeatures`.
+    rule : {"identity", "means", "variance", "full", "fixed"}
+        How :math:`A` is chosen (``"variance"`` by default).
+    momentum : float
+        Weight of a new batch in the running statistics, in ``(0, 1]``.
+    eps : float
+        Floor of the statistics in every rule (absolute, in scaled coordinates).
+    use_batch_stats : bool
+        In training, use this batch's statistics for :math:`A` (they include *later*
+        positions of the sequence, so causal training sees the future through
+        :math:`A`); ``False`` uses the running statistics of earlier batches
+        (causal-safe) and updates them afterwards.
+    matrix : float, sequence or Tensor, optional
+        :math:`A` for ``rule="fixed"``.
+
+    Attributes
+    ----------
+    omega : Tensor ``[m, d]``
+    scale : Tensor ``[d]``
+        The diagonal of :math:`A` (diagonal rules).
+    matrix_q, matrix_k : Tensor ``[d, d]``
+        :math:`A` and :math:`A^{-T}` (``"full"`` rule and non-diagonal ``"fixed"``).
+    running_mean_q, running_mean_k, running_var_q, running_var_k : Tensor ``[d]``
+    running_second_q, running_second_k : Tensor ``[d, d]`` (``"full"`` rule)
+
+    Notes
+    -----
+    Claims: unbiased for every :math:`A` (FM001 at :math:`A = 1.25 I`; FM005 in 1-D
+    with symbolic :math:`a`), positive (FM002), Lemma 3.1 variance (FM003).
+
+    References
+    ----------
+    "Adapting Linear Attention to Query Key Distributions" (spec 004); Choromanski et
+    al., "Hybrid Random Features", ICLR 2022.
+    """
+
+    name: ClassVar[str] = "cexp"
+    aliases: ClassVar[tuple[str, ...]] = ()
+    claims: ClassVar[tuple[Any, ...]] = (
+        UnbiasedKernelEstimate(dims=(16, 64), options={"rule": "fixed", "matrix": 1.25}),
+        UnbiasedKernelEstimate(dims=(16, 64)),
+        PositiveFeatures(),
+        EstimateVariance(variance=estimate_variance, options={"rule": "fixed", "matrix": 1.25}),
+        SymbolicExpectation(derive=derive_cexp_1d),
+    )
+
+    def __init__(
+        self,
+        head_dim: int | None = None,
+        num_features: int | None = None,
+        *,
+        rule: str = "variance",
+        momentum: float = 0.1,
+        eps: float = 1e-6,
+        use_batch_stats: bool = True,
+        matrix: float | Sequence[float] | torch.Tensor | None = None,
+        orthogonal: bool = False,
+        norm: str = "chi",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if rule not in adaptation.RULES:
+            raise InputError(f"rule: expected one of {list(adaptation.RULES)}, got {rule!r}")
+        if isinstance(momentum, bool) or not isinstance(momentum, int | float) or not 0 < momentum <= 1:
+            raise InputError(f"momentum: expected a number in (0, 1], got {momentum!r}")
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps > 0:
+            raise InputError(f"eps: expected a positive number, got {eps!r}")
+        if (rule == "fixed") != (matrix is not None):
+            raise InputError(
+                f"matrix: expected a matrix exactly when rule='fixed', got rule={rule!r}, matrix={matrix!r}"
+            )
+        self.rule = rule
+        self.momentum = float(momentum)
+        self.eps = float(eps)
+        self.use_batch_stats = _check_bool("use_batch_stats", use_batch_stats)
+        self._matrix_option = None if matrix is None else torch.as_tensor(matrix, dtype=torch.float64)
+        if self._matrix_option is not None and self._matrix_option.dim() > 2:
+            raise InputError(f"matrix: expected a float, a [d] vector or a [d, d] matrix, got {matrix!r}")
+        super().__init__(head_dim, num_features, orthogonal=orthogonal, norm=norm, generator=generator)
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def diagonal(self) -> bool:
+        """Whether :math:`A` is diagonal (stored as ``scale [d]``)."""
+        if self.rule in ("means", "variance"):
+            return True
+        if self.rule == "fixed":
+            assert self._matrix_option is not None
+            return self._matrix_option.dim() < 2
+        return False
+
+    def _build(self, head_dim: int) -> None:
+        super()._build(head_dim)
+        d = head_dim
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+        if self.rule == "identity":
+            return
+        if self.diagonal:
+            self.register_buffer("scale", torch.ones(d))
+        else:
+            self.register_buffer("matrix_q", torch.eye(d))
+            self.register_buffer("matrix_k", torch.eye(d))
+        if self.rule in ("means", "variance", "full"):
+            self.register_buffer("running_mean_q", torch.zeros(d))
+            self.register_buffer("running_mean_k", torch.zeros(d))
+            self.register_buffer("running_var_q", torch.ones(d))
+            self.register_buffer("running_var_k", torch.ones(d))
+        if self.rule == "full":
+            self.register_buffer("running_second_q", torch.eye(d))
+            self.register_buffer("running_second_k", torch.eye(d))
+        if self.rule == "fixed":
+            self._set_fixed(self._matrix_option, d)
+
+    def _set_fixed(self, a: torch.Tensor | None, d: int) -> None:
+        assert a is not None
+        if a.dim() == 0:
+            a = a.expand(d)
+        if a.dim() == 1:
+            if a.shape[0] != d:
+                raise InputError(f"matrix: expected a [d] = [{d}] diagonal, got shape {tuple(a.shape)}")
+            if not bool((a != 0).all()):
+                raise InputError(f"matrix: expected a diagonal without zeros (A invertible), got {a.tolist()}")
+            self.scale.copy_(a.to(self.scale))
+            return
+        if tuple(a.shape) != (d, d):
+            raise InputError(f"matrix: expected shape [d, d] = [{d}, {d}], got {tuple(a.shape)}")
+        sv = torch.linalg.svdvals(a)
+        if not bool(sv.min() > 1e-12 * sv.max()):
+            raise InputError(f"matrix: expected an invertible matrix, got singular values {sv.tolist()}")
+        self.matrix_q.copy_(a.to(self.matrix_q))
+        self.matrix_k.copy_(torch.linalg.inv(a).mT.to(self.matrix_k))
+
+    @torch.no_grad()
+    def set_matrix(self, matrix: float | Sequence[float] | torch.Tensor) -> None:
+        """Replace :math:`A` of a ``rule="fixed"`` map (same layout: diagonal or ``[d, d]``),
+        stored in the buffers' dtype (call after ``.double()`` for float64 precision)."""
+        if self.rule != "fixed":
+            raise InputError(f"matrix: set_matrix needs rule='fixed', got rule={self.rule!r}")
+        a = torch.as_tensor(matrix, dtype=torch.float64)
+        if (a.dim() < 2) != self.diagonal:
+            layout = "a float or a [d] vector" if self.diagonal else "a [d, d] matrix"
+            raise InputError(f"matrix: expected {layout} as at construction, got shape {tuple(a.shape)}")
+        if not self.built:
+            self._matrix_option = a
+            return
+        assert self.head_dim is not None
+        self._set_fixed(a, self.head_dim)
+
+    # ------------------------------------------------------------------ statistics and A
+    def matrices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The current :math:`A` and :math:`A^{-T}` as ``[d, d]`` tensors."""
+        if not self.built:
+            raise InputError(f"{self.name!r}: matrices() needs the head dimension; call build(head_dim) first")
+        assert self.head_dim is not None
+        if self.rule == "identity":
+            eye = torch.eye(self.head_dim, dtype=self.omega.dtype, device=self.omega.device)
+            return eye, eye.clone()
+        if self.diagonal:
+            return torch.diag(self.scale), torch.diag(1.0 / self.scale)
+        return self.matrix_q.clone(), self.matrix_k.clone()
+
+    def _set_from(self, mean_q, var_q, mean_k, var_k, second_q, second_k) -> None:  # type: ignore[no-untyped-def]
+        if self.rule == "means":
+            a = adaptation.means_scale(mean_q, mean_k, self.eps)
+        elif self.rule == "variance":
+            a = adaptation.variance_scale(mean_q, var_q, mean_k, var_k, self.eps)
+        else:  # full
+            aq, ak = adaptation.full_matrices(second_q.double(), second_k.double(), self.eps)
+            self.matrix_q.copy_(aq)
+            self.matrix_k.copy_(ak)
+            return
+        self.scale.copy_(a)
+
+    def _set_from_running(self) -> None:
+        full = self.rule == "full"
+        self._set_from(
+            self.running_mean_q.double(),
+            self.running_var_q.double(),
+            self.running_mean_k.double(),
+            self.running_var_k.double(),
+            self.running_second_q.double() if full else None,
+            self.running_second_k.double() if full else None,
+        )
+
+    def _update_running(self, mq: adaptation.Moments, mk: adaptation.Moments, momentum: float) -> None:
+        if int(self.num_batches_tracked) == 0:
+            momentum = 1.0  # the first batch initialises the running statistics
+        pairs = [
+            (self.running_mean_q, mq.mean),
+            (self.running_var_q, mq.var),
+            (self.running_mean_k, mk.mean),
+            (self.running_var_k, mk.var),
+        ]
+        if self.rule == "full":
+            pairs += [(self.running_second_q, mq.second), (self.running_second_k, mk.second)]
+        for buf, new in pairs:
+            buf.lerp_(new.to(buf), momentum)
+        self.num_batches_tracked += 1
+
+    def _set_identity(self) -> None:
+        """A = I: the map is exactly PRF until statistics exist."""
+        if self.diagonal:
+            self.scale.fill_(1.0)
+        else:
+            eye = torch.eye(self.matrix_q.shape[-1], dtype=self.matrix_q.dtype, device=self.matrix_q.device)
+            self.matrix_q.copy_(eye)
+            self.matrix_k.copy_(eye)
+
+    @torch.no_grad()
+    def prepare(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+        causal: bool = False,
+    ) -> None:
+        """Update the statistics (training) and set :math:`A` before features are made.
+
+        * eval: :math:`A` from the frozen running statistics; :math:`A = I` (plain PRF)
+          while none have been tracked, so an eval output never depends on the rest of
+          its batch;
+        * training, non-causal: :math:`A` from this batch (``use_batch_stats``) or the
+          running statistics, which are then updated;
+        * training, causal: :math:`A` from the running statistics of *earlier* batches
+          only (:math:`A = I` before the first), because this batch's statistics
+          include later tokens and would leak them into earlier outputs.
+
+        Padded keys (``key_padding_mask``) enter no statistic.
+
+        Parameters
+        ----------
+        q : Tensor ``[B, H, N, d]`` (or any ``[..., d]``)
+            Scaled queries.
+        k : Tensor ``[B, H, M, d]`` (or any ``[..., d]``)
+            Scaled keys.
+        key_padding_mask : Tensor ``[B, M]`` of bool, optional
+        causal : bool
+        """
+        if self.rule in ("identity", "fixed"):
+            return
+        if not self.built:
+            self.build(q.shape[-1])
+        tracked = int(self.num_batches_tracked) > 0
+        if not self.training:
+            self._set_from_running() if tracked else self._set_identity()  # frozen
+            return
+        full = self.rule == "full"
+        mq = adaptation.moments(q, full=full)
+        mk = adaptation.moments(k, full=full, padding=key_padding_mask)
+        if self.use_batch_stats and not causal:
+            self._set_from(mq.mean, mq.var, mk.mean, mk.var, mq.second, mk.second)
+        elif tracked:
+            self._set_from_running()
+        else:
+            self._set_identity()
+        self._update_running(mq, mk, self.momentum)
+
+    @torch.no_grad()
+    def fit(self, x: torch.Tensor, y: torch.Tensor) -> ComplexExponentialFeatures:
+        """Set the running statistics (and :math:`A`) from queries ``x [..., d]`` and keys ``y [..., d]``.
+
+        The data are in the coordinates the map sees (already scaled). Returns ``self``.
+        """
+        if not self.built:
+            self.build(x.shape[-1])
+        if self.rule in ("identity", "fixed"):
+            return self
+        full = self.rule == "full"
+        self.num_batches_tracked.zero_()
+        self._update_running(adaptation.moments(x, full=full), adaptation.moments(y, full=full), 1.0)
+        self._set_from_running()
+        return self
+
+    # ------------------------------------------------------------------ features
+    def transform(self, x: torch.Tensor, *, query: bool) -> torch.Tensor:
+        """:math:`Ax` for queries (``query=True``), :math:`A^{-T}y` for keys; ``x [..., d]``."""
+        if self.rule == "identity":
+            return x
+        if self.diagonal:
+            a = self.scale.to(dtype=x.dtype, device=x.device)
+            return x * a if query else x / a
+        mat = (self.matrix_q if query else self.matrix_k).to(dtype=x.dtype, device=x.device)
+        return x @ mat.mT  # row vectors: (M x)^T = x^T M^T
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", rule={self.rule!r}"
+
+
+class HyperbolicComplexExponentialFeatures(ComplexExponentialFeatures):
+    """HCEXP: the two-sided CEXP map, :math:`2m` features.
+
+    .. math:: \\phi_q(x)^\\top\\phi_k(y) = \\frac{1}{m} e^{-(\\|Ax\\|^2 + \\|A^{-T}y\\|^2)/2}
+              \\sum_{i=1}^m \\cosh(\\omega_i^\\top z), \\qquad z = Ax + A^{-T}y,
+
+    with MSE :math:`\\frac{1}{2m}\\mathrm{SM}^2\\,(2\\sinh(\\|z\\|^2/2))^2` (Lemma 3.1). With
+    ``rule="identity"`` it is ``prf-hyperbolic`` bit for bit. Options as
+    :class:`ComplexExponentialFeatures`.
+    """
+
+    name: ClassVar[str] = "hcexp"
+    two_sided: ClassVar[bool] = True
+    claims: ClassVar[tuple[Any, ...]] = (
+        UnbiasedKernelEstimate(dims=(16, 64), options={"rule": "fixed", "matrix": 1.25}),
+        UnbiasedKernelEstimate(dims=(16, 64)),
+        PositiveFeatures(),
+        EstimateVariance(variance=estimate_variance, options={"rule": "fixed", "matrix": 1.25}),
+        SymbolicExpectation(derive=derive_hcexp_1d),
+    )
