@@ -1,0 +1,385 @@
+"""Trigonometric random feature maps: random Fourier features (``rff``), the
+trigonometric softmax features (``trig-softmax-features``) and the RFA features
+(``rfa-features``).
+
+All three use ``num_features = m`` *frequencies*; the two-sided ``[cos, sin]`` maps
+therefore have :math:`D = 2m` features and the offset map :math:`D = m`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from kernelattn_core import FeatureMap, InputError
+from kernelattn_core.claims.types import (
+    ErrorDecay,
+    EstimateVariance,
+    SymbolicExpectation,
+    UnbiasedKernelEstimate,
+)
+
+from . import claims as C
+from .kernels import GaussianKernel, SpectralKernel, make_kernel
+from .sampling import iid_frequencies, orthogonal_frequencies
+
+VARIANTS = ("cos-sin", "offset")
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise InputError(f"{name}: expected a bool, got {value!r}")
+    return value
+
+
+class _TrigBase(FeatureMap):
+    """Shared frequency buffer ``omega [m, d]`` and its (i.i.d. or orthogonal) redraw."""
+
+    positive: ClassVar[bool] = False
+    random: ClassVar[bool] = True
+    log_space: ClassVar[bool] = False
+    has_budget: ClassVar[bool] = True
+
+    omega: torch.Tensor
+    spectral: SpectralKernel
+    orthogonal: bool
+
+    def _build(self, head_dim: int) -> None:
+        self.register_buffer("omega", torch.empty(self.num_features, head_dim))  # [m, d]
+
+    def _draw_frequencies(self, generator: torch.Generator | None) -> torch.Tensor:
+        def draw(kind: str, shape: tuple[int, ...]) -> torch.Tensor:
+            return self._draw(kind, shape, like=self.omega, generator=generator)
+
+        assert self.head_dim is not None
+        sampler = orthogonal_frequencies if self.orthogonal else iid_frequencies
+        return sampler(self.spectral, self.num_features, self.head_dim, draw)
+
+    def _redraw(self, generator: torch.Generator | None) -> None:
+        self.omega.copy_(self._draw_frequencies(generator))
+
+    def _projection(self, x: torch.Tensor) -> torch.Tensor:
+        """:math:`\\omega^\\top x` for ``x [..., d]``, giving ``[..., m]``."""
+        return x @ self.omega.to(dtype=x.dtype, device=x.device).transpose(0, 1)  # [..., m]
+
+
+class RandomFourierFeatures(_TrigBase):
+    """Random Fourier features (Rahimi & Recht, 2007) for a shift-invariant kernel.
+
+    With :math:`\\omega_1, \\dots, \\omega_m \\sim p` (the kernel's spectral density):
+
+    .. math::
+        \\phi_{\\text{cos-sin}}(x) = \\frac{1}{\\sqrt m}\\left[\\cos(\\omega_j^\\top x),\\
+        \\sin(\\omega_j^\\top x)\\right]_{j=1}^m \\in \\mathbb{R}^{2m},
+        \\qquad
+        \\phi_{\\text{offset}}(x) = \\sqrt{\\frac{2}{m}}\\left[\\cos(\\omega_j^\\top x + b_j)\\right]_{j=1}^m
+        \\in \\mathbb{R}^{m},\\ b_j \\sim U(0, 2\\pi),
+
+    so that :math:`\\phi(x)^\\top\\phi(y) = \\frac1m \\sum_j \\cos(\\omega_j^\\top(x - y))`
+    (cos-sin) or :math:`\\frac1m\\sum_j [\\cos(\\omega_j^\\top(x - y)) + \\cos(\\omega_j^\\top(x + y) + 2 b_j)]`
+    (offset), both unbiased for :math:`g(x - y)`.
+
+    Parameters
+    ----------
+    head_dim : int, optional
+    num_features : int, optional
+        :math:`m`, the number of frequencies (default 256); the feature dimension is
+        :math:`2m` for ``cos-sin`` and :math:`m` for ``offset``.
+    generator : torch.Generator, optional
+    kernel : {"gaussian", "laplacian", "matern"} or SpectralKernel
+        The target kernel (default ``"gaussian"``).
+    lengthscale : float
+        :math:`\\ell` of the target kernel (default 1).
+    nu : float, optional
+        Matérn smoothness (1/2, 3/2 or 5/2; default 3/2); only with ``kernel="matern"``.
+    variant : {"cos-sin", "offset"}
+        The map (default ``"cos-sin"``).
+    orthogonal : bool
+        Block-orthogonal Haar directions with radial lengths from :math:`p`
+        (isotropic kernels only: not ``laplacian``).
+
+    Attributes
+    ----------
+    kernel : str
+        **Instance** attribute: the registry name of the chosen target. The class
+        attribute is the default target, ``"gaussian"``; an instance built with
+        ``kernel="matern"`` reports ``"matern"``. Use :meth:`target_kernel` for the
+        kernel with this map's lengthscale and :math:`\\nu`.
+    omega : Tensor ``[m, d]``
+        The frequencies (buffer).
+    phase : Tensor ``[m]``
+        The offsets :math:`b` (buffer; ``offset`` variant only).
+
+    Notes
+    -----
+    Claims (checked by ``kernelattn verify fourier`` and by this plugin's tests):
+
+    * FM001: unbiased, :math:`\\mathbb{E}[\\phi(x)^\\top\\phi(y)] = g(x - y)` (i.i.d. and orthogonal).
+    * FM005: :math:`\\mathbb{E}_{\\omega \\sim \\mathcal{N}(0, \\ell^{-2} I)}[\\cos(\\omega^\\top\\delta)]
+      = e^{-\\|\\delta\\|^2/2\\ell^2}`, by SymPy.
+    * FM003: for i.i.d. frequencies the single-pair variance is
+
+      .. math:: \\mathrm{Var}_{\\text{cos-sin}} = \\frac{1}{m}\\left(\\frac{1 + g(2\\delta)}{2} - g(\\delta)^2\\right)
+                \\overset{\\text{Gaussian}}{=} \\frac{(1 - K^2)^2}{2m},
+                \\qquad
+                \\mathrm{Var}_{\\text{offset}} = \\mathrm{Var}_{\\text{cos-sin}} + \\frac{1}{2m}.
+
+      The issue's :math:`\\tfrac12(1 - K^2)^2` is the variance *per frequency*
+      (:math:`m = 1`, two features); with :math:`m` frequencies it is divided by :math:`m`.
+    * FM004: kernel MSE falls as :math:`m^{-1}`.
+
+    Examples
+    --------
+    >>> fm = RandomFourierFeatures(head_dim=4, num_features=8, kernel="matern", nu=0.5)
+    >>> fm.kernel, fm.feature_dim
+    ('matern', 16)
+    """
+
+    name: ClassVar[str] = "rff"
+    aliases: ClassVar[tuple[str, ...]] = ("random-fourier",)
+    kernel: ClassVar[str | None] = "gaussian"  # type: ignore[misc]  # overridden per instance
+    unbiased: ClassVar[bool] = True
+    learnable: ClassVar[bool] = False
+    default_num_features: ClassVar[int] = 256
+    claims: ClassVar[tuple[Any, ...]] = (
+        UnbiasedKernelEstimate(dims=(16, 64), norm_range=(0.2, 2.0), num_features=16),
+        UnbiasedKernelEstimate(dims=(16,), norm_range=(0.2, 2.0), num_features=16, options={"orthogonal": True}),
+        UnbiasedKernelEstimate(dims=(16,), norm_range=(0.2, 2.0), num_features=16, options={"variant": "offset"}),
+        SymbolicExpectation(derive=C.derive_gaussian_cos_expectation),
+        EstimateVariance(variance=C.rff_variance, norm_range=(0.2, 2.0)),
+        EstimateVariance(variance=C.rff_variance, norm_range=(0.2, 2.0), options={"variant": "offset"}),
+        ErrorDecay(slope=-1.0, norm_range=(0.2, 2.0)),
+    )
+
+    def __init__(
+        self,
+        head_dim: int | None = None,
+        num_features: int | None = None,
+        *,
+        generator: torch.Generator | None = None,
+        kernel: str | SpectralKernel = "gaussian",
+        lengthscale: float = 1.0,
+        nu: float | str | None = None,
+        variant: str = "cos-sin",
+        orthogonal: bool = False,
+    ) -> None:
+        spectral = make_kernel(kernel, lengthscale, nu)
+        if variant not in VARIANTS:
+            raise InputError(f"variant: expected one of {list(VARIANTS)}, got {variant!r}")
+        orthogonal = _check_bool("orthogonal", orthogonal)
+        if orthogonal and not spectral.isotropic:
+            raise InputError(
+                f"orthogonal: needs an isotropic spectral density; kernel {spectral.name!r} is a product of "
+                "1-D densities (use orthogonal=False, or kernel='matern' with nu=0.5 for the isotropic e^{-|d|/l})"
+            )
+        self.spectral = spectral
+        self.kernel = spectral.name  # type: ignore[misc]  # the instance's target (see class docstring)
+        self.variant = variant
+        self.orthogonal = orthogonal
+        super().__init__(head_dim, num_features, generator=generator)
+
+    def target_kernel(self) -> SpectralKernel:
+        """The exact kernel this map estimates (with its lengthscale and :math:`\\nu`)."""
+        return self.spectral
+
+    def _build(self, head_dim: int) -> None:
+        super()._build(head_dim)
+        if self.variant == "offset":
+            self.register_buffer("phase", torch.empty(self.num_features))  # [m]
+
+    def _redraw(self, generator: torch.Generator | None) -> None:
+        super()._redraw(generator)
+        if self.variant == "offset":
+            self.phase.copy_(2 * math.pi * self._draw("uniform", (self.num_features,), self.phase, generator))
+
+    def _feature_dim(self) -> int:
+        return 2 * self.num_features if self.variant == "cos-sin" else self.num_features
+
+    def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        u = self._projection(x)  # [..., m]
+        m = self.num_features
+        if self.variant == "cos-sin":
+            return torch.cat([u.cos(), u.sin()], dim=-1) / math.sqrt(m)  # [..., 2m]
+        b = self.phase.to(dtype=x.dtype, device=x.device)
+        return math.sqrt(2.0 / m) * torch.cos(u + b)  # [..., m]
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, kernel={self.spectral!r}, variant={self.variant!r}, orthogonal={self.orthogonal}"
+        )
+
+
+class TrigSoftmaxFeatures(_TrigBase):
+    """Trigonometric features for the softmax kernel (RR / RFA; LARA App. C, map 3).
+
+    .. math::
+        \\phi(x) = \\frac{e^{\\|x\\|^2/2}}{\\sqrt m}
+        \\left[\\sin(\\omega_j^\\top x),\\ \\cos(\\omega_j^\\top x)\\right]_{j=1}^m,
+        \\qquad \\omega_j \\sim \\mathcal{N}(0, I_d),
+
+    from :math:`e^{x^\\top y} = e^{\\|x\\|^2/2} e^{\\|y\\|^2/2} e^{-\\|x - y\\|^2/2}` and the
+    Gaussian-kernel identity, so :math:`\\mathbb{E}[\\phi(x)^\\top\\phi(y)] = e^{x^\\top y}`.
+
+    **Not positive**: :math:`\\phi(x)^\\top\\phi(y)` is negative with positive probability,
+    so attention denominators can be zero or negative. The ``trig-softmax`` estimator
+    pairs this map with the ``signed-row`` normaliser (see
+    :class:`~kernelattn_fourier.normalizers.SignedRowNormalizer`).
+
+    Parameters
+    ----------
+    head_dim, num_features, generator
+        As for every feature map; ``num_features = m`` frequencies, :math:`D = 2m`.
+    orthogonal : bool
+        Block-orthogonal Haar frequencies with chi-distributed lengths.
+
+    Notes
+    -----
+    Claims: FM001 unbiased for :math:`e^{x^\\top y}`; FM005 (SymPy, 1-D);
+    FM003 variance :math:`e^{\\|x\\|^2 + \\|y\\|^2}(1 - K^2)^2/(2m)` with
+    :math:`K = e^{-\\|x - y\\|^2/2}`. Features overflow float32 when
+    :math:`\\|x\\|^2/2 > 88` (in the scaled coordinates the map sees).
+    """
+
+    name: ClassVar[str] = "trig-softmax-features"
+    kernel: ClassVar[str | None] = "softmax"
+    unbiased: ClassVar[bool] = True
+    learnable: ClassVar[bool] = False
+    default_num_features: ClassVar[int] = 256
+    claims: ClassVar[tuple[Any, ...]] = (
+        UnbiasedKernelEstimate(dims=(16, 64), norm_range=(0.2, 1.0), num_features=16),
+        SymbolicExpectation(derive=C.derive_trig_softmax_expectation),
+        EstimateVariance(variance=C.trig_softmax_variance, norm_range=(0.2, 1.0)),
+        ErrorDecay(slope=-1.0),
+    )
+
+    def __init__(
+        self,
+        head_dim: int | None = None,
+        num_features: int | None = None,
+        *,
+        generator: torch.Generator | None = None,
+        orthogonal: bool = False,
+    ) -> None:
+        self.orthogonal = _check_bool("orthogonal", orthogonal)
+        self.spectral = GaussianKernel(1.0)
+        super().__init__(head_dim, num_features, generator=generator)
+
+    def _feature_dim(self) -> int:
+        return 2 * self.num_features
+
+    def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        u = self._projection(x)  # [..., m]
+        scale = torch.exp(0.5 * (x * x).sum(-1, keepdim=True)) / math.sqrt(self.num_features)  # [..., 1]
+        return torch.cat([u.sin(), u.cos()], dim=-1) * scale  # [..., 2m]
+
+
+class RFAFeatures(_TrigBase):
+    """The random feature attention map of Peng et al. (2021): trigonometric features
+    of unit-normalised inputs with a learnable per-head scale.
+
+    .. math::
+        \\hat x = \\frac{x}{\\|x\\|}, \\qquad
+        \\phi_h(x) = \\frac{1}{\\sqrt m}\\left[\\sin\\!\\left(\\frac{\\omega_j^\\top \\hat x}{\\sigma_h}\\right),\\
+        \\cos\\!\\left(\\frac{\\omega_j^\\top \\hat x}{\\sigma_h}\\right)\\right]_{j=1}^m,
+        \\qquad \\omega_j \\sim \\mathcal{N}(0, I_d),
+
+    so that, on the unit sphere,
+
+    .. math:: \\mathbb{E}[\\phi_h(x)^\\top\\phi_h(y)] = e^{-\\|\\hat x - \\hat y\\|^2 / 2\\sigma_h^2}
+              = e^{-1/\\sigma_h^2}\\, e^{\\hat x^\\top \\hat y / \\sigma_h^2} .
+
+    The constant :math:`e^{-1/\\sigma_h^2}` cancels in attention, which therefore
+    estimates softmax attention over the *cosine* similarities with a learned
+    inverse temperature :math:`1/\\sigma_h^2` per head.
+
+    Choices where Peng et al. leave details open (documented and tested):
+
+    * :math:`\\sigma_h = e^{s_h}` with a learnable ``log_scale`` :math:`s_h` (positive by
+      construction), initialised to :math:`\\log` ``init_scale`` (default 1); the random
+      directions :math:`\\omega_j` are shared by all heads (the reparametrisation
+      :math:`\\omega_j/\\sigma_h` of :math:`\\mathcal N(0, \\sigma_h^{-2} I)`), so gradients reach
+      :math:`\\sigma_h` through the features.
+    * ``num_heads=None`` learns one scale shared by every head; ``num_heads=H`` learns
+      one per head and expects inputs ``[..., H, N, d]``.
+    * A zero vector is left at zero (:math:`\\hat 0 = 0`); the division uses
+      :math:`\\max(\\|x\\|, \\text{tiny})`.
+    * The optional gating (RFA-Gate) of the paper is not implemented.
+
+    Parameters
+    ----------
+    head_dim, num_features, generator
+        As for every feature map (:math:`D = 2m`).
+    num_heads : int, optional
+        Learn one scale per head (inputs ``[..., H, N, d]``).
+    init_scale : float
+        Initial :math:`\\sigma` (default 1).
+    learn_scale : bool
+        Whether :math:`\\sigma` is a trainable parameter (default ``True``).
+    orthogonal : bool
+        Block-orthogonal Haar directions.
+
+    Attributes
+    ----------
+    log_scale : Parameter ``[H]`` or ``[1]``
+        :math:`\\log \\sigma_h`.
+    """
+
+    name: ClassVar[str] = "rfa-features"
+    kernel: ClassVar[str | None] = None
+    unbiased: ClassVar[bool] = False
+    learnable: ClassVar[bool] = True
+    default_num_features: ClassVar[int] = 128
+
+    def __init__(
+        self,
+        head_dim: int | None = None,
+        num_features: int | None = None,
+        *,
+        generator: torch.Generator | None = None,
+        num_heads: int | None = None,
+        init_scale: float = 1.0,
+        learn_scale: bool = True,
+        orthogonal: bool = False,
+    ) -> None:
+        if num_heads is not None and (isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1):
+            raise InputError(f"num_heads: expected a positive integer or None, got {num_heads!r}")
+        if isinstance(init_scale, bool) or not isinstance(init_scale, int | float) or not init_scale > 0:
+            raise InputError(f"init_scale: expected a positive number, got {init_scale!r}")
+        learn_scale = _check_bool("learn_scale", learn_scale)
+        orthogonal = _check_bool("orthogonal", orthogonal)
+        super().__init__(None, num_features, generator=generator)
+        self.orthogonal = orthogonal
+        self.spectral = GaussianKernel(1.0)
+        self.num_heads = num_heads
+        self.log_scale = nn.Parameter(
+            torch.full((num_heads or 1,), math.log(float(init_scale))), requires_grad=learn_scale
+        )  # [H] or [1]
+        if head_dim is not None:
+            self.build(head_dim, generator=generator)
+
+    def _feature_dim(self) -> int:
+        return 2 * self.num_features
+
+    def sigma(self) -> torch.Tensor:
+        """:math:`\\sigma_h = e^{s_h}`, ``[H]`` or ``[1]``."""
+        return self.log_scale.exp()
+
+    def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        if self.num_heads is not None and (x.dim() < 3 or x.shape[-3] != self.num_heads):
+            raise InputError(
+                f"x: rfa-features was built with num_heads = {self.num_heads} and expects inputs [..., H, N, d] "
+                f"with H = {self.num_heads}, got shape {tuple(x.shape)}"
+            )
+        norm = x.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)  # [..., 1]
+        u = self._projection(x / norm)  # [..., m]
+        inv = (-self.log_scale).exp().to(dtype=x.dtype, device=x.device)  # [H] or [1]
+        if self.num_heads is not None:
+            inv = inv[:, None, None]  # [H, 1, 1] against [..., H, N, m]
+        u = u * inv
+        return torch.cat([u.sin(), u.cos()], dim=-1) / math.sqrt(self.num_features)  # [..., 2m]
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, num_heads={self.num_heads}, orthogonal={self.orthogonal}"

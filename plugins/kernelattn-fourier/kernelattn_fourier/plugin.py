@@ -1,0 +1,30 @@
+"""Registration of the ``fourier`` plugin (entry point ``fourier``)."""
+
+from __future__ import annotations
+
+from kernelattn_core import hookimpl
+
+from .estimators import RFAAttention, TrigSoftmaxAttention
+from .feature_maps import RandomFourierFeatures, RFAFeatures, TrigSoftmaxFeatures
+from .kernels import GaussianKernel, LaplacianKernel, MaternKernel
+from .normalizers import SignedRowNormalizer
+
+
+@hookimpl
+def kernelattn_kernels() -> list[type]:
+    return [GaussianKernel, LaplacianKernel, MaternKernel]
+
+
+@hookimpl
+def kernelattn_feature_maps() -> list[type]:
+    return [RandomFourierFeatures, TrigSoftmaxFeatures, RFAFeatures]
+
+
+@hookimpl
+def kernelattn_normalizers() -> list[type]:
+    return [SignedRowNormalizer]
+
+
+@hookimpl
+def kernelattn_estimators() -> list[type]:
+    return [TrigSoftmaxAttention, RFAAttention]
