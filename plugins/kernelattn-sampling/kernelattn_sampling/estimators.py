@@ -1,0 +1,508 @@
+"""The estimators: ``ra``, ``ra-biased``, ``rfa-snis`` and ``lara``.
+
+All work in the core's scaled coordinates (q and k multiplied by :math:`d^{-1/4}`),
+where every Gaussian of the paper has unit covariance. Randomness comes at forward
+time, in training mode, from the ``generator`` option or the global torch generator.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from kernelattn_core import AttentionEstimator, InputError
+from kernelattn_core._validation import check_positive_int
+from kernelattn_core.claims import (
+    ConsistentAttention,
+    QuadratureIdentity,
+    SymbolicExpectation,
+    UnbiasedAttention,
+)
+from kernelattn_core.engine.torch_backend import compute_dtype
+
+from . import functional as fn
+from .lara import (
+    NEGATIVE_POLICIES,
+    PROPOSALS,
+    R_AXES,
+    WEIGHTINGS,
+    lara_from_samples,
+    make_proposals,
+    pooled_means,
+    segment_means,
+)
+from .theory import derive_lemma_a1_1d, ra_quadrature, target_density_mass
+
+NOISE_CHOICES = ("paper", "code")
+
+
+def _check_noise(noise_std: object) -> float | str:
+    if noise_std in NOISE_CHOICES:
+        return noise_std  # type: ignore[return-value]
+    if isinstance(noise_std, bool) or not isinstance(noise_std, int | float) or noise_std < 0:
+        raise InputError(f"noise_std: expected 'paper', 'code' or a number >= 0, got {noise_std!r}")
+    return float(noise_std)
+
+
+def _check_generator(generator: object) -> torch.Generator | None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise InputError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
+    return generator
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise InputError(f"{name}: expected a bool, got {value!r}")
+    return value
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise InputError(f"{name}: expected one of {list(choices)}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+class _SamplingEstimator(AttentionEstimator):
+    """Shared options: the budget, the noise scale, the generator and a saved eval seed."""
+
+    random: ClassVar[bool] = True
+    has_budget: ClassVar[bool] = True
+    default_num_features: ClassVar[int] = 1
+
+    def __init__(
+        self,
+        num_features: int | None = None,
+        *,
+        noise_std: float | str = "paper",
+        generator: torch.Generator | None = None,
+        scale: float | None = None,
+    ) -> None:
+        super().__init__(scale=scale)
+        self.num_features = check_positive_int(
+            "num_features", self.default_num_features if num_features is None else num_features
+        )
+        self.noise_std = _check_noise(noise_std)
+        self.generator = _check_generator(generator)
+        # seed of the fixed evaluation draws; a buffer, so state_dict carries it
+        seed = int(torch.randint(0, 2**62, (), dtype=torch.long))
+        self.register_buffer("eval_seed", torch.tensor(seed, dtype=torch.long))
+
+    def _sigma(self, head_dim: int) -> float:
+        return fn.noise_std_value(self.noise_std, head_dim)
+
+    def extra_repr(self) -> str:
+        return f"num_features={self.num_features}, noise_std={self.noise_std!r}, scale={self.scale}"
+
+
+class RandomizedAttention(_SamplingEstimator):
+    """Randomized attention (RA): an unbiased estimator of softmax attention.
+
+    The target of each query is the Gaussian mixture (Eq. 5)
+
+    .. math:: p_n(\\omega) = \\sum_m \\pi_{nm}\\, N(\\omega; q_n + k_m, I), \\qquad
+              \\pi_{nm} = \\mathrm{softmax}_m(q_n^\\top k_m),
+
+    and softmax attention is exactly :math:`\\mathbb E_{p_n}[f(\\omega)]` (Prop. 3.2) with
+
+    .. math:: f(\\omega) = \\sum_m \\mathrm{softmax}_m(\\omega^\\top k_m - \\tfrac12\\|k_m\\|^2)\\, v_m .
+
+    RA averages :math:`f` over ``S = num_features`` exact draws (Eq. 30):
+    :math:`z \\sim \\mathrm{Categorical}(\\pi_n)`, :math:`\\omega = q_n + k_z + \\epsilon`,
+    :math:`\\epsilon \\sim N(0, I)`. Cost :math:`O(S N M d)` time, :math:`O(S N M)` memory.
+
+    Parameters
+    ----------
+    num_features : int
+        ``S``, samples per query (1, the paper's setting, by default).
+    noise_std : {"paper", "code"} or float
+        Standard deviation of :math:`\\epsilon` in the scaled coordinates: 1 (``"paper"``,
+        unbiased) or :math:`d^{-1/4}` (``"code"``: the released code, which is biased).
+    eval_noise : bool
+        Whether evaluation draws include :math:`\\epsilon` (the released code omits it; default).
+    eval_resample : bool
+        Evaluation indices are always sampled (the paper: "has to draw random indices
+        even during evaluation"). By default they are position-addressed hashes of a
+        seed saved in ``state_dict`` (``eval_seed``), so evaluation is deterministic
+        (like a fixed evaluation sample set), causal prefixes see the same draws, and
+        devices agree; ``True`` draws fresh ones from the generator.
+    generator : torch.Generator, optional
+        Source of training draws (the global generator when ``None``).
+    scale : float, optional
+        See :class:`~kernelattn_core.interfaces.AttentionEstimator`.
+
+    Notes
+    -----
+    Claims: unbiased for softmax attention (AT001, Monte Carlo at d = 4); the target
+    density reproduces softmax attention to 30 digits in 1-D (HP001); Lemma A.1
+    symbolically (FM005).
+
+    References
+    ----------
+    Zheng, Wang, Kong, "Linear Complexity Randomized Self-attention Mechanism", ICML 2022.
+
+    Examples
+    --------
+    >>> import torch, kernelattn_core as ka
+    >>> est = ka.create("ra", num_features=2)
+    >>> est(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)).shape
+    torch.Size([1, 2, 5, 8])
+    """
+
+    name: ClassVar[str] = "ra"
+    aliases: ClassVar[tuple[str, ...]] = ("randomized-attention",)
+    unbiased: ClassVar[bool] = True
+    consistent: ClassVar[bool] = True
+    supports_causal: ClassVar[bool] = True
+    linear: ClassVar[bool] = False
+    sample_index: ClassVar[bool] = True
+    claims: ClassVar[tuple[Any, ...]] = (
+        UnbiasedAttention(dim=4, seq_len=6, num_features=1),
+        QuadratureIdentity(evaluate=ra_quadrature, label="E_{p_n}[f] == softmax attention (1-D, Prop. 3.2)"),
+        QuadratureIdentity(evaluate=target_density_mass, label="RA target p_n integrates to 1 (1-D)"),
+        SymbolicExpectation(derive=derive_lemma_a1_1d),
+    )
+
+    def __init__(
+        self,
+        num_features: int | None = None,
+        *,
+        noise_std: float | str = "paper",
+        eval_noise: bool = False,
+        eval_resample: bool = False,
+        generator: torch.Generator | None = None,
+        scale: float | None = None,
+    ) -> None:
+        super().__init__(num_features, noise_std=noise_std, generator=generator, scale=scale)
+        self.eval_noise = _check_bool("eval_noise", eval_noise)
+        self.eval_resample = _check_bool("eval_resample", eval_resample)
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        self.last_backend = "torch"
+        dtype = compute_dtype(q.dtype)
+        q, k, v32 = q.to(dtype), k.to(dtype), v.to(dtype)
+        probs = fn.softmax_probs(q, k, key_padding_mask, causal)  # [B, H, N, M]
+        fixed = not self.training and not self.eval_resample
+        omega = fn.ra_samples(
+            q,
+            k,
+            probs,
+            self.num_features,
+            self._sigma(q.shape[-1]),
+            self.generator,
+            sample_index=True,
+            noise=self.training or self.eval_noise,
+            counter_seed=int(self.eval_seed) if fixed else None,
+        )  # [B, H, N, S, d]
+        return fn.ra_from_samples(omega, k, v32, key_padding_mask, causal).to(v.dtype)
+
+
+class RandomizedAttentionBiased(_SamplingEstimator):
+    """RA-biased (Eq. 31): the index replaced by its mean.
+
+    .. math:: \\omega_n = q_n + \\sum_m \\pi_{nm} k_m + \\epsilon, \\qquad
+              y_n = \\frac1S\\sum_s f(\\omega_{ns})
+
+    Lower variance than RA and a non-negligible bias; in evaluation the mean
+    :math:`q_n + K^\\top\\pi_n` is the "sample", so the output is deterministic.
+
+    Parameters
+    ----------
+    num_features, noise_std, generator, scale
+        As for :class:`RandomizedAttention`.
+
+    Notes
+    -----
+    Not unbiased: the suite keeps the AT001 test of RA run on this class as a
+    negative control that must fail.
+    """
+
+    name: ClassVar[str] = "ra-biased"
+    unbiased: ClassVar[bool] = False
+    consistent: ClassVar[bool] = False
+    supports_causal: ClassVar[bool] = True
+    linear: ClassVar[bool] = False
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        self.last_backend = "torch"
+        dtype = compute_dtype(q.dtype)
+        q, k, v32 = q.to(dtype), k.to(dtype), v.to(dtype)
+        probs = fn.softmax_probs(q, k, key_padding_mask, causal)
+        samples = self.num_features if self.training else 1
+        omega = fn.ra_samples(
+            q, k, probs, samples, self._sigma(q.shape[-1]), self.generator, sample_index=False, noise=self.training
+        )
+        return fn.ra_from_samples(omega, k, v32, key_padding_mask, causal).to(v.dtype)
+
+
+class RFASNIS(AttentionEstimator):
+    """Random feature attention (Performer PRF) read as self-normalised importance
+    sampling (Prop. 3.1), in the stable log-space form of the spec.
+
+    With :math:`\\omega_s \\sim N(0, I)`:
+
+    .. math:: \\bar y_s = f(\\omega_s),\\quad \\log D_s = \\log\\sum_m \\xi(k_m, \\omega_s),\\quad
+              y_n = \\sum_s \\mathrm{softmax}_s\\big(\\omega_s^\\top q_n + \\log D_s\\big)\\,\\bar y_s,
+
+    algebraically identical to Eq. 2. The samples live in a ``prf`` feature map of
+    ``kernelattn-prf`` (its ``omega`` buffer): redrawn at every training forward
+    call, one fixed set in evaluation (the paper's protocol, App. G.1). Causal calls
+    go through the core engine with the same features.
+
+    Parameters
+    ----------
+    num_features : int
+        ``S`` samples (64 by default).
+    orthogonal : bool
+        Block-orthogonal samples (off by default, as in the paper).
+    generator : torch.Generator, optional
+        Source of the draws (the global generator when ``None``).
+    scale : float, optional
+
+    Notes
+    -----
+    Biased at finite ``S`` (self-normalisation), consistent: AT002 with
+    ``biased_at_finite_budget=True``.
+    """
+
+    name: ClassVar[str] = "rfa-snis"
+    unbiased: ClassVar[bool] = False
+    consistent: ClassVar[bool] = True
+    supports_causal: ClassVar[bool] = True
+    random: ClassVar[bool] = True
+    has_budget: ClassVar[bool] = True
+    linear: ClassVar[bool] = True
+    default_num_features: ClassVar[int] = 64
+    claims: ClassVar[tuple[Any, ...]] = (ConsistentAttention(biased_at_finite_budget=True, budgets=(4, 64)),)
+
+    def __init__(
+        self,
+        num_features: int | None = None,
+        *,
+        orthogonal: bool = False,
+        generator: torch.Generator | None = None,
+        scale: float | None = None,
+    ) -> None:
+        super().__init__(scale=scale)
+        from kernelattn_prf.feature_maps import PositiveRandomFeatures
+
+        self.generator = _check_generator(generator)
+        budget = self.default_num_features if num_features is None else num_features
+        self.features = PositiveRandomFeatures(num_features=budget, orthogonal=_check_bool("orthogonal", orthogonal))
+
+    @property
+    def num_features(self) -> int:
+        return self.features.num_features
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        fm = self.features
+        if not fm.built:
+            fm.build(q.shape[-1], generator=self.generator)
+        elif self.training:
+            fm.redraw(generator=self.generator)
+        if causal:
+            from kernelattn_core.engine.backends import Problem, select_backend
+
+            phi_q, phi_k = fm.raw_features(q, query=True), fm.raw_features(k, query=False)
+            backend = select_backend(Problem(q.device, phi_q.dtype, True, True, torch.is_grad_enabled()), None)
+            self.last_backend = backend.name
+            num, den = backend.load()(
+                phi_q, phi_k, v, log_space=True, causal=True, key_padding_mask=key_padding_mask, chunk_size=64
+            )
+            return (num / torch.where(den == 0, torch.ones_like(den), den).unsqueeze(-1)).to(v.dtype)
+        self.last_backend = "torch"
+        dtype = compute_dtype(q.dtype)
+        q, k, v32 = q.to(dtype), k.to(dtype), v.to(dtype)
+        omega = fm.omega.to(dtype=dtype, device=q.device)  # [S, d]
+        return fn.rfa_from_samples(q, k, v32, omega, key_padding_mask).to(v.dtype)
+
+
+class LinearRandomizedAttention(AttentionEstimator):
+    """Linear randomized attention (LARA): self-normalised multiple importance sampling
+    with ``C`` query-subset proposals and query-specific weights (Eq. 10 / 28).
+
+    .. math:: y_n = \\frac{\\sum_c \\alpha'_{nc}(\\omega_c)\\,\\xi(q_n,\\omega_c) \\sum_m \\xi(k_m,\\omega_c) v_m}
+                          {\\sum_c \\alpha'_{nc}(\\omega_c)\\,\\xi(q_n,\\omega_c) \\sum_m \\xi(k_m,\\omega_c)},
+              \\qquad \\alpha'_{nc} = \\alpha_{nc}\\,\\frac{N(\\omega_c; 0, I)}{q_c(\\omega_c)}
+
+    (Algorithm 3 as corrected), computed in log space. Proposals :math:`q_c = N(\\mu_c, I)`
+    are built from landmarks :math:`\\tilde q_c, \\tilde k_c` (segment means or 2-D
+    pooling), with :math:`q_c(\\omega)/N(\\omega;0,I) = \\xi(\\mu_c, \\omega)`.
+    Weights (Eq. 38, default):
+
+    .. math:: \\alpha_{nc}(\\omega) = \\frac{q_c(\\omega)}{\\sum_{c'} q_{c'}(\\omega)}
+              + \\beta\\Big(r'_{nc} - \\frac1C\\sum_{c'} r'_{nc'}\\Big),\\qquad
+              r'_{nc} = \\frac{e^{q_n^\\top\\tilde q_c}}{\\sum_{n'} e^{q_{n'}^\\top\\tilde q_c}} .
+
+    Training draws one sample per proposal (two with ``antithetic``), evaluation uses
+    the proposal means (deterministic). Time and memory :math:`O(C(N + M)d)`.
+    Non-causal only.
+
+    Parameters
+    ----------
+    num_features : int
+        ``C``, landmarks = proposals = samples (16 by default). With ``N <= C`` (or
+        ``M <= C``) the tokens themselves are the landmarks.
+    landmarks : {"segment", "pool2d"}
+        1-D segment means (the released code's uneven split when ``C`` does not divide
+        ``N``) or 2-D adaptive average pooling of an image grid.
+    grid : (int, int), optional
+        The token grid ``(height, width)`` for ``pool2d`` (``N = M = height * width``).
+    pool : (int, int), optional
+        The pooled grid; ``(r, r)`` with ``r * r = C`` by default.
+    proposal : {"eq34", "eq35", "eq33", "eq32", "standard-normal"}
+        Eq. 34 (default), Eq. 35 as corrected, Eq. 33, the mixture Eq. 32 (with the
+        tokens as landmarks these are the exact targets), or :math:`N(0, I)` (RFA).
+    weighting : {"decoupled", "coupled", "balance", "constant", "delta"}
+        Eq. 38 (default), Eq. 37, the balance heuristic Eq. 36, :math:`1/C`, or
+        :math:`\\delta_{nc}` (the RA reduction; needs ``C = N``).
+    beta : float
+        Coefficient of the query-specific correction (1, Eq. 9).
+    r_axis : {"query", "landmark"}
+        Normalisation axis of :math:`r'` (the printed Eq. 37 is ambiguous).
+    negative_weights : {"clamp", "signed"}
+        Policy for :math:`\\alpha < 0`: clamp at :math:`10^{-8}` (default, the released
+        code) or exact signed arithmetic.
+    antithetic : bool
+        Pairs :math:`\\mu_c \\pm \\epsilon_c` (2C samples).
+    landmark_projection : bool
+        Learned FC + LayerNorm on the query and key landmarks, shared across heads
+        (needs ``head_dim``).
+    head_dim : int, optional
+    noise_std : {"paper", "code"} or float
+        Noise scale of the draws (``"code"``: :math:`d^{-1/4}` as in the released code,
+        whose density ratio still assumes unit variance).
+    generator : torch.Generator, optional
+    scale : float, optional
+
+    Notes
+    -----
+    Consistent, not unbiased (AT002, ``biased_at_finite_budget=True``). Reductions
+    checked to 1e-12 in float64: standard-normal proposals with constant weights give
+    ``rfa-snis`` on the same samples; ``C = N``, the exact targets (``eq32``) and
+    delta weights give ``ra`` with ``S = 1`` on the same samples.
+    """
+
+    name: ClassVar[str] = "lara"
+    aliases: ClassVar[tuple[str, ...]] = ("linear-randomized-attention",)
+    unbiased: ClassVar[bool] = False
+    consistent: ClassVar[bool] = True
+    supports_causal: ClassVar[bool] = False
+    random: ClassVar[bool] = True
+    has_budget: ClassVar[bool] = True
+    linear: ClassVar[bool] = True
+    default_num_features: ClassVar[int] = 16
+    claims: ClassVar[tuple[Any, ...]] = (
+        ConsistentAttention(biased_at_finite_budget=True, budgets=(2, 16), seq_len=16),
+    )
+
+    def __init__(
+        self,
+        num_features: int | None = None,
+        *,
+        landmarks: str = "segment",
+        grid: tuple[int, int] | None = None,
+        pool: tuple[int, int] | None = None,
+        proposal: str = "eq34",
+        weighting: str = "decoupled",
+        beta: float = 1.0,
+        r_axis: str = "query",
+        negative_weights: str = "clamp",
+        antithetic: bool = False,
+        landmark_projection: bool = False,
+        head_dim: int | None = None,
+        noise_std: float | str = "paper",
+        generator: torch.Generator | None = None,
+        scale: float | None = None,
+    ) -> None:
+        super().__init__(scale=scale)
+        self.num_features = check_positive_int(
+            "num_features", self.default_num_features if num_features is None else num_features
+        )
+        self.landmarks = _check_choice("landmarks", landmarks, ("segment", "pool2d"))
+        if landmarks == "pool2d":
+            if grid is None or len(grid) != 2:
+                raise InputError(f"grid: landmarks='pool2d' needs the token grid (height, width), got {grid!r}")
+            if pool is None:
+                r = math.isqrt(self.num_features)
+                if r * r != self.num_features:
+                    raise InputError(
+                        f"pool: num_features = {self.num_features} is not a square; give pool=(ph, pw) with ph*pw = C"
+                    )
+                pool = (r, r)
+            if pool[0] * pool[1] != self.num_features:
+                raise InputError(f"pool: expected ph * pw = num_features = {self.num_features}, got {pool!r}")
+        self.grid = tuple(grid) if grid is not None else None
+        self.pool = tuple(pool) if pool is not None else None
+        self.proposal = _check_choice("proposal", proposal, PROPOSALS)
+        self.weighting = _check_choice("weighting", weighting, WEIGHTINGS)
+        if isinstance(beta, bool) or not isinstance(beta, int | float) or not math.isfinite(beta):
+            raise InputError(f"beta: expected a finite number, got {beta!r}")
+        self.beta = float(beta)
+        self.r_axis = _check_choice("r_axis", r_axis, R_AXES)
+        self.negative_weights = _check_choice("negative_weights", negative_weights, NEGATIVE_POLICIES)
+        self.antithetic = _check_bool("antithetic", antithetic)
+        self.noise_std = _check_noise(noise_std)
+        self.generator = _check_generator(generator)
+        self.q_proj: nn.Module | None = None
+        self.k_proj: nn.Module | None = None
+        if _check_bool("landmark_projection", landmark_projection):
+            if head_dim is None:
+                raise InputError("head_dim: landmark_projection=True needs head_dim (the projections are learned)")
+            d = check_positive_int("head_dim", head_dim)
+            self.q_proj = nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d))
+            self.k_proj = nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d))
+
+    def landmarks_of(
+        self, q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Query and key landmarks ``[B, H, C', d]`` and the kept key landmarks ``[B or 1, C']``."""
+        keep = None if key_padding_mask is None else ~key_padding_mask
+        if self.landmarks == "pool2d":
+            assert self.grid is not None and self.pool is not None
+            q_land, _ = pooled_means(q, self.grid, self.pool)
+            k_land, ok = pooled_means(k, self.grid, self.pool, keep)
+        else:
+            c = min(self.num_features, q.shape[-2], k.shape[-2])
+            q_land, _ = segment_means(q, c)
+            k_land, ok = segment_means(k, c, keep)
+        if self.q_proj is not None and self.k_proj is not None:
+            q_land, k_land = self.q_proj(q_land), self.k_proj(k_land)
+        return q_land, k_land, ok
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        self.last_backend = "torch"
+        dtype = compute_dtype(q.dtype)
+        q, k, v32 = q.to(dtype), k.to(dtype), v.to(dtype)
+        q_land, k_land, ok = self.landmarks_of(q, k, key_padding_mask)
+        props = make_proposals(self.proposal, q_land, k_land, k, key_padding_mask, ok)
+        if self.training:
+            omega, owner = props.sample(
+                fn.noise_std_value(self.noise_std, q.shape[-1]), self.generator, self.antithetic
+            )
+        else:
+            omega = props.expected()  # [B, H, C, d]
+            owner = torch.arange(omega.shape[-2], device=q.device)
+        out = lara_from_samples(
+            q,
+            k,
+            v32,
+            omega,
+            owner,
+            props,
+            weighting=self.weighting,
+            q_land=q_land,
+            beta=self.beta,
+            r_axis=self.r_axis,
+            negative_weights=self.negative_weights,
+            key_padding_mask=key_padding_mask,
+        )
+        return out.to(v.dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_features={self.num_features}, landmarks={self.landmarks!r}, proposal={self.proposal!r}, "
+            f"weighting={self.weighting!r}, beta={self.beta}, negative_weights={self.negative_weights!r}"
+        )

@@ -1,0 +1,278 @@
+"""Vectorised building blocks of RA, RFA-SNIS and LARA, all in log space.
+
+Every function works in the scaled coordinates of the core (q and k already
+multiplied by :math:`d^{-1/4}`), where the Performer positive randomized mapping is
+
+.. math:: \\xi(x, \\omega) = \\exp(\\omega^\\top x - \\tfrac12 \\|x\\|^2)
+
+and every Gaussian has unit covariance. The factor :math:`\\xi(q_n, \\omega)` is
+constant over keys and cancels in the target function, which is therefore
+
+.. math:: f(\\omega) = \\sum_m \\mathrm{softmax}_m(\\omega^\\top k_m - \\tfrac12\\|k_m\\|^2)\\, v_m .
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+# --------------------------------------------------------------------------- generic helpers
+def safe_softmax_stats(logits: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-normaliser and softmax average of ``values``, safe for all ``-inf`` rows.
+
+    Parameters
+    ----------
+    logits : Tensor ``[..., X, M]``
+    values : Tensor ``[..., M, dv]`` (broadcast against ``logits``)
+
+    Returns
+    -------
+    log_den : Tensor ``[..., X]``
+        :math:`\\log\\sum_m e^{\\ell_m}`; ``-inf`` when every logit is ``-inf``.
+    mean : Tensor ``[..., X, dv]``
+        :math:`\\sum_m \\mathrm{softmax}_m(\\ell)\\, v_m`; zeros when every logit is ``-inf``.
+
+    The row maximum is an exact stabiliser (it cancels); it is detached, which leaves
+    every gradient unchanged.
+    """
+    top = logits.detach().amax(-1, keepdim=True)  # [..., X, 1]
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w = (logits - top).exp()  # [..., X, M]
+    den = w.sum(-1, keepdim=True)  # [..., X, 1]
+    mean = (w @ values) / torch.where(den == 0, torch.ones_like(den), den)  # [..., X, dv]
+    return (den.log() + top).squeeze(-1), mean
+
+
+def key_log_bias(k: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+    """:math:`-\\tfrac12\\|k_m\\|^2` with ``-inf`` at padded keys, ``[B, H, 1, M]``."""
+    bias = -0.5 * (k * k).sum(-1).unsqueeze(-2)  # [B, H, 1, M]
+    if key_padding_mask is not None:
+        bias = bias.masked_fill(key_padding_mask[:, None, None, :], NEG_INF)
+    return bias
+
+
+def causal_bias(n: int, m: int, like: torch.Tensor) -> torch.Tensor:
+    """``[N, M]`` with 0 where key ``j <= i`` and ``-inf`` after."""
+    allowed = torch.ones(n, m, dtype=torch.bool, device=like.device).tril()
+    return torch.zeros(n, m, dtype=like.dtype, device=like.device).masked_fill(~allowed, NEG_INF)
+
+
+def target_stats(
+    omega: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key statistics of samples: :math:`\\log D(\\omega)` and :math:`f(\\omega)`.
+
+    .. math:: \\log D(\\omega) = \\log\\sum_m \\xi(k_m, \\omega), \\qquad
+              f(\\omega) = \\sum_m \\frac{\\xi(k_m,\\omega)}{D(\\omega)} v_m
+
+    Parameters
+    ----------
+    omega : Tensor ``[B, H, X, d]``
+    k : Tensor ``[B, H, M, d]``
+    v : Tensor ``[B, H, M, dv]``
+    bias : Tensor broadcastable to ``[B, H, X, M]``
+        :func:`key_log_bias` plus any causal ``-inf``.
+
+    Returns
+    -------
+    log_den ``[B, H, X]`` and f ``[B, H, X, dv]``.
+    """
+    lk = omega @ k.transpose(-1, -2) + bias  # [B, H, X, M]
+    return safe_softmax_stats(lk, v)
+
+
+def softmax_probs(
+    q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    """Exact attention probabilities :math:`\\pi_{nm}` ``[B, H, N, M]`` (zero rows when
+    no key is allowed)."""
+    logits = q @ k.transpose(-1, -2)  # [B, H, N, M]
+    if key_padding_mask is not None:
+        logits = logits.masked_fill(key_padding_mask[:, None, None, :], NEG_INF)
+    if causal:
+        logits = logits + causal_bias(q.shape[-2], k.shape[-2], logits)
+    top = logits.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w = (logits - top).exp()
+    den = w.sum(-1, keepdim=True)
+    return w / torch.where(den == 0, torch.ones_like(den), den)
+
+
+# --------------------------------------------------------------------------- random draws
+def draw_normal(shape: tuple[int, ...], like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Standard normal draws of ``shape`` (on the generator's device, then moved to ``like``)."""
+    device = generator.device if generator is not None else like.device
+    return torch.randn(shape, generator=generator, device=device, dtype=torch.float64).to(like.device, like.dtype)
+
+
+def draw_indices(probs: torch.Tensor, samples: int, generator: torch.Generator | None) -> torch.Tensor:
+    """Categorical indices ``[..., samples]`` from the rows of ``probs [..., M]``.
+
+    Rows of zeros (no allowed key) draw uniformly; their outputs are zeroed later.
+    """
+    *lead, m = probs.shape
+    flat = probs.detach().reshape(-1, m).to(torch.float64)
+    empty = flat.sum(-1, keepdim=True) <= 0
+    flat = torch.where(empty, torch.ones_like(flat), flat)
+    device = generator.device if generator is not None else flat.device
+    idx = torch.multinomial(flat.to(device), samples, replacement=True, generator=generator)  # [rows, S]
+    return idx.to(probs.device).reshape(*lead, samples)
+
+
+def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, M, d]`` rows picked by ``idx [B, H, N, S]``, giving ``[B, H, N, S, d]``."""
+    b, h, n, s = idx.shape
+    m, d = x.shape[-2:]
+    flat = idx.reshape(b, h, n * s, 1).expand(b, h, n * s, d)
+    return torch.gather(x.expand(b, h, m, d), 2, flat).reshape(b, h, n, s, d)
+
+
+def noise_std_value(noise_std: float | str, head_dim: int) -> float:
+    """The noise standard deviation in scaled coordinates: 1 for ``"paper"``,
+    :math:`d^{-1/4}` for ``"code"`` (the released code), or the number given."""
+    if noise_std == "paper":
+        return 1.0
+    if noise_std == "code":
+        return head_dim**-0.25
+    return float(noise_std)
+
+
+# --------------------------------------------------------------------------- RA
+def ra_from_samples(
+    omega: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Randomized attention from given samples: :math:`\\frac1S \\sum_s f(\\omega_{ns})`.
+
+    Parameters
+    ----------
+    omega : Tensor ``[B, H, N, S, d]``
+        Samples of each query's target :math:`p_n` (or of any other distribution).
+    k, v : Tensor ``[B, H, M, d]``, ``[B, H, M, dv]``
+
+    Returns
+    -------
+    Tensor ``[B, H, N, dv]``
+    """
+    b, h, n, s, d = omega.shape
+    bias = key_log_bias(k, key_padding_mask)  # [B, H, 1, M]
+    if causal:
+        bias = bias + causal_bias(n, k.shape[-2], k).repeat_interleave(s, dim=0)  # [N*S, M]
+    _, f = target_stats(omega.reshape(b, h, n * s, d), k, v, bias)  # [B, H, N*S, dv]
+    return f.reshape(b, h, n, s, -1).mean(3)
+
+
+def ra_samples(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    probs: torch.Tensor,
+    samples: int,
+    noise_std: float,
+    generator: torch.Generator | None,
+    *,
+    sample_index: bool = True,
+    noise: bool = True,
+    counter_seed: int | None = None,
+) -> torch.Tensor:
+    """Samples ``[B, H, N, S, d]`` of RA (Eq. 30) or of RA-biased (Eq. 31).
+
+    .. math:: \\omega_{ns} = q_n + k_{z_{ns}} + \\sigma\\epsilon_{ns}, \\quad
+              z_{ns} \\sim \\mathrm{Categorical}(\\pi_n)  \\qquad \\text{(RA)}
+
+    .. math:: \\omega_{ns} = q_n + \\textstyle\\sum_m \\pi_{nm} k_m + \\sigma\\epsilon_{ns}
+              \\qquad \\text{(RA-biased, ``sample_index=False``)}
+
+    With ``counter_seed`` the draws are position-addressed (:func:`counter_uniform`)
+    instead of coming from ``generator``.
+    """
+    if sample_index:
+        if counter_seed is None:
+            idx = draw_indices(probs, samples, generator)
+        else:
+            idx = counter_indices(probs, samples, counter_seed, stream=0)
+        centre = gather_rows(k, idx)  # [B, H, N, S, d]
+    else:
+        centre = (probs @ k).unsqueeze(3).expand(*q.shape[:3], samples, q.shape[-1])  # [B, H, N, S, d]
+    omega = q.unsqueeze(3) + centre
+    if noise and noise_std != 0:
+        if counter_seed is None:
+            eps = draw_normal(tuple(omega.shape), omega, generator)
+        else:
+            eps = counter_normal(counter_seed, tuple(omega.shape), 1, omega)
+        omega = omega + noise_std * eps
+    return omega
+
+
+# --------------------------------------------------------------------------- RFA as SNIS
+def rfa_from_samples(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, omega: torch.Tensor, key_padding_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """RFA (Eq. 2) in the stable log-space form of the spec (non-causal).
+
+    .. math:: \\bar y_s = f(\\omega_s), \\quad
+              y_n = \\sum_s \\mathrm{softmax}_s\\big(\\omega_s^\\top q_n + \\log D(\\omega_s)\\big)\\, \\bar y_s
+
+    ``omega [S, d]`` (shared by batch and heads) or ``[B, H, S, d]``.
+    """
+    if omega.dim() == 2:
+        omega = omega.expand(*q.shape[:2], *omega.shape)
+    log_den, ybar = target_stats(omega, k, v, key_log_bias(k, key_padding_mask))  # [B,H,S], [B,H,S,dv]
+    logits = q @ omega.transpose(-1, -2) + log_den.unsqueeze(-2)  # [B, H, N, S]
+    return safe_softmax_stats(logits, ybar)[1]
+
+
+def log_standard_normal(omega: torch.Tensor) -> torch.Tensor:
+    """:math:`\\log \\mathcal N(\\omega; 0, I)` over the last axis."""
+    d = omega.shape[-1]
+    return -0.5 * (omega * omega).sum(-1) - 0.5 * d * math.log(2 * math.pi)
+
+
+# --------------------------------------------------------------------------- counter-based draws (evaluation)
+_M32 = 0xFFFFFFFF
+
+
+def _pcg_hash(x: torch.Tensor) -> torch.Tensor:
+    """PCG output permutation on 32-bit words held in int64 (no overflow: factors < 2^30)."""
+    x = (x * 747796405 + 2891336453) & _M32
+    w = (((x >> ((x >> 28) + 4)) ^ x) * 277803737) & _M32
+    return ((w >> 22) ^ w) & _M32
+
+
+def counter_uniform(seed: int, shape: tuple[int, ...], stream: int, device: torch.device) -> torch.Tensor:
+    """Uniforms in (0, 1), float64, addressed by position: element ``(i_0, ..., i_r)`` is a
+    hash of ``(seed, stream, i_0, ..., i_r)``.
+
+    Used for evaluation draws: they do not depend on the sequence length or on other
+    positions (causal prefixes see the same draws) nor on the device.
+    """
+    h = torch.full((1,) * len(shape), (seed ^ (stream * 0x9E3779B9)) & _M32, dtype=torch.long, device=device)
+    h = _pcg_hash(_pcg_hash(h) ^ ((seed >> 32) & _M32))
+    for axis, size in enumerate(shape):
+        idx = torch.arange(size, device=device).view([size if a == axis else 1 for a in range(len(shape))])
+        h = _pcg_hash((h + idx) & _M32)
+    hi = h.expand(shape)
+    lo = _pcg_hash(hi ^ 0x5BD1E995)
+    return ((hi >> 5).double() * 2**26 + (lo >> 6).double() + 0.5) / 2**53
+
+
+def counter_normal(seed: int, shape: tuple[int, ...], stream: int, like: torch.Tensor) -> torch.Tensor:
+    """Standard normals addressed by position (Box-Muller on :func:`counter_uniform`)."""
+    u1 = counter_uniform(seed, shape, 2 * stream, like.device)
+    u2 = counter_uniform(seed, shape, 2 * stream + 1, like.device)
+    return ((-2 * u1.log()).sqrt() * torch.cos(2 * math.pi * u2)).to(like.dtype)
+
+
+def counter_indices(probs: torch.Tensor, samples: int, seed: int, stream: int) -> torch.Tensor:
+    """Categorical indices ``[..., samples]`` from ``probs [..., M]`` by the inverse CDF
+    of position-addressed uniforms."""
+    cdf = probs.detach().to(torch.float64).cumsum(-1)  # [..., M]
+    u = counter_uniform(seed, (*probs.shape[:-1], samples), stream, probs.device)  # [..., S]
+    idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)
+    return idx.clamp_max(probs.shape[-1] - 1)
