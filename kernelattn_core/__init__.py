@@ -8,7 +8,14 @@ Public vocabulary
 """
 
 from .api import create, list_plugins
-from .builtins import EluFeatureMap, ExactAttention, FeatureMapAttention, RowNormalizer, SoftmaxKernel
+from .builtins import (
+    EluFeatureMap,
+    ExactAttention,
+    FeatureMapAttention,
+    RowNormalizer,
+    SignedRowNormalizer,
+    SoftmaxKernel,
+)
 from .engine import kernel_attention
 from .errors import DomainError, InputError, KernelAttnError, PluginError, PluginWarning, UnknownNameError
 from .hookspecs import hookimpl
@@ -45,6 +52,7 @@ __all__ = [
     "Registry",
     "RowNormalizer",
     "ShiftInvariantKernel",
+    "SignedRowNormalizer",
     "SoftmaxKernel",
     "UnknownNameError",
     "create",

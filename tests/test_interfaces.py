@@ -155,3 +155,28 @@ def test_estimator_float32_and_float64_preserved(use_registry) -> None:
             if dtype == torch.float64:
                 est = est.double()
             assert est(q, k, v).dtype == dtype
+
+
+def test_signed_row_normalizer_keeps_sign_bounds_output_and_matches_row_when_safe() -> None:
+    norm = ka.SignedRowNormalizer(eps=1e-2)
+    num = torch.tensor([[0.5, -1.0], [1e-3, 2e-3], [0.3, 0.3], [0.0, 0.0]], dtype=torch.float64)
+    den = torch.tensor([2.0, 1e-9, -0.6, 0.0], dtype=torch.float64)
+    out = norm.normalize(num, den)
+    ratio = ka.RowNormalizer().normalize(num, den)
+    torch.testing.assert_close(out[0], ratio[0], rtol=1e-4, atol=0)  # moderate ratio: plain division
+    assert (out[2] < 0).all()  # negative denominator keeps its sign
+    assert float(out.pow(2).mean(-1).sqrt().max()) <= 1 / (2 * 1e-2) + 1e-9  # RMS cap 1/(2 eps)
+    assert float(ratio[1].abs().max()) > 1e5 and float(out[1].abs().max()) < 50  # bounded where row explodes
+    assert (out[3] == 0).all()
+    with pytest.raises(ka.InputError, match="eps: expected a finite number >= 0"):
+        ka.SignedRowNormalizer(eps=-1.0)
+
+
+def test_feature_map_default_normalizer_is_used_unless_overridden(use_registry) -> None:
+    class SignedToy(ka.EluFeatureMap):
+        default_normalizer = "signed-row"
+
+    assert isinstance(ka.FeatureMapAttention(SignedToy(head_dim=4)).normalizer, ka.SignedRowNormalizer)
+    est = ka.FeatureMapAttention(SignedToy(head_dim=4), normalizer="row")
+    assert type(est.normalizer) is ka.RowNormalizer
+    assert type(ka.create("elu").normalizer) is ka.RowNormalizer

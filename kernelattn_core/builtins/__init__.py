@@ -4,6 +4,13 @@
 from .estimators import ExactAttention, FeatureMapAttention
 from .feature_maps import EluFeatureMap
 from .kernels import SoftmaxKernel
-from .normalizers import RowNormalizer
+from .normalizers import RowNormalizer, SignedRowNormalizer
 
-__all__ = ["EluFeatureMap", "ExactAttention", "FeatureMapAttention", "RowNormalizer", "SoftmaxKernel"]
+__all__ = [
+    "EluFeatureMap",
+    "ExactAttention",
+    "FeatureMapAttention",
+    "RowNormalizer",
+    "SignedRowNormalizer",
+    "SoftmaxKernel",
+]

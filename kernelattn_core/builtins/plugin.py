@@ -6,7 +6,7 @@ from ..hookspecs import hookimpl
 from .estimators import ExactAttention, FeatureMapAttention
 from .feature_maps import EluFeatureMap
 from .kernels import SoftmaxKernel
-from .normalizers import RowNormalizer
+from .normalizers import RowNormalizer, SignedRowNormalizer
 
 
 @hookimpl
@@ -21,7 +21,7 @@ def kernelattn_feature_maps():  # type: ignore[no-untyped-def]
 
 @hookimpl
 def kernelattn_normalizers():  # type: ignore[no-untyped-def]
-    return [RowNormalizer]
+    return [RowNormalizer, SignedRowNormalizer]
 
 
 @hookimpl

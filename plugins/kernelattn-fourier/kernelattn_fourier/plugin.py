@@ -7,7 +7,6 @@ from kernelattn_core import hookimpl
 from .estimators import RFAAttention, TrigSoftmaxAttention
 from .feature_maps import RandomFourierFeatures, RFAFeatures, TrigSoftmaxFeatures
 from .kernels import GaussianKernel, LaplacianKernel, MaternKernel
-from .normalizers import SignedRowNormalizer
 
 
 @hookimpl
@@ -18,11 +17,6 @@ def kernelattn_kernels() -> list[type]:
 @hookimpl
 def kernelattn_feature_maps() -> list[type]:
     return [RandomFourierFeatures, TrigSoftmaxFeatures, RFAFeatures]
-
-
-@hookimpl
-def kernelattn_normalizers() -> list[type]:
-    return [SignedRowNormalizer]
 
 
 @hookimpl

@@ -160,6 +160,8 @@ class FastFoodRKSFeatureMap(_FastFoodFeatureMap):
         :math:`\\Pi`, always random (redrawn).
     """
 
+    # trigonometric estimates can be negative: bounded division when denominators near zero
+    default_normalizer: ClassVar[str] = "signed-row"
     name: ClassVar[str] = "fastfood-rks"
     kernel: ClassVar[str | None] = "spectral-gmm"
     positive: ClassVar[bool] = False

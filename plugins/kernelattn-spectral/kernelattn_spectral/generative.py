@@ -149,6 +149,8 @@ class GenerativeRKSFeatureMap(_GenerativeFeatureMap):
         Redrawn by the redraw policy; frozen in eval mode.
     """
 
+    # trigonometric estimates can be negative: bounded division when denominators near zero
+    default_normalizer: ClassVar[str] = "signed-row"
     name: ClassVar[str] = "generative-rks"
     positive: ClassVar[bool] = False
     log_space: ClassVar[bool] = False

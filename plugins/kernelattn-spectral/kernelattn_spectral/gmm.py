@@ -174,6 +174,8 @@ class GMMRKSFeatureMap(_GMMFeatureMap):
     >>> attn = ka.create("gmm-rks", num_features=64, redraw_every=100)
     """
 
+    # trigonometric estimates can be negative: bounded division when denominators near zero
+    default_normalizer: ClassVar[str] = "signed-row"
     name: ClassVar[str] = "gmm-rks"
     kernel: ClassVar[str | None] = "spectral-gmm"
     positive: ClassVar[bool] = False
