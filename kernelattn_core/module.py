@@ -7,9 +7,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._validation import check_positive_int, check_tensor
 from .api import create
 from .errors import InputError
+from .validation import check_positive_int, check_tensor
 
 
 class KernelAttention(nn.Module):

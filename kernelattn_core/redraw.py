@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._validation import check_positive_int
 from .errors import InputError
 from .interfaces.feature_map import FeatureMap
+from .validation import check_positive_int
 
 _MASK63 = (1 << 63) - 1
 _GOLDEN = 0x9E3779B97F4A7C15

@@ -168,3 +168,13 @@ def test_verify_by_plugin_name_and_unknown_name(reg, capsys) -> None:  # type: i
     assert {r.target for r in results} == {"toy-prf", "toy-trig"} and all(r.passed for r in results)
     assert main(["verify", "no-such-thing"]) == 2
     assert "neither a plugin" in capsys.readouterr().err
+
+
+def test_declared_negative_control_passes_only_when_the_checker_rejects(reg) -> None:  # type: ignore[no-untyped-def]
+    control = check_claim(reg.get("falsely-unbiased"), C.UnbiasedAttention(num_features=1, expect="fail"))
+    assert control.verdict == "pass" and control.numbers["checker_verdict"] == "fail"
+    assert control.claim.startswith("negative control")
+    wrong = check_claim(reg.get("toy-ra"), C.UnbiasedAttention(num_features=2, expect="fail"))
+    assert wrong.verdict == "fail"  # an unbiased estimator is no negative control of AT001
+    crash = check_claim(reg.get("toy-prf"), C.EstimateVariance(variance=None, expect="fail"))
+    assert crash.verdict == "fail" and "error" in crash.numbers  # a crashing check proves nothing

@@ -9,7 +9,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from .._validation import check_key_padding_mask, check_positive_int, check_qkv
 from ..engine.backends import Problem, select_backend
 from ..engine.naive import allowed_pairs, kernel_attention_naive
 from ..engine.torch_backend import CausalState, compute_dtype, feature_attention_step
@@ -19,6 +18,7 @@ from ..interfaces.feature_map import FeatureMap
 from ..interfaces.kernel import Kernel
 from ..interfaces.normalizer import Normalizer
 from ..redraw import RedrawPolicy
+from ..validation import check_key_padding_mask, check_positive_int, check_qkv
 
 
 def _construct(kind: str, cls: type, owner: str, options: dict[str, Any]) -> Any:

@@ -20,10 +20,16 @@ Options = Mapping[str, Any]
 
 @dataclass(frozen=True)
 class Claim:
-    """Base of every claim; ``rule`` is the stable ID, ``summary`` one line of prose."""
+    """Base of every claim; ``rule`` is the stable ID, ``summary`` one line of prose.
+
+    ``expect="fail"`` declares a negative control: the class is known *not* to satisfy
+    the claim (for example biased randomized attention against the unbiasedness test),
+    and the check passes only when the checker rejects it.
+    """
 
     rule: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+    expect: str = field(default="pass", kw_only=True)
 
     def describe(self) -> str:
         return self.summary

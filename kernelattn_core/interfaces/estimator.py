@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .._validation import check_key_padding_mask, check_qkv
 from ..errors import InputError
+from ..validation import check_key_padding_mask, check_qkv
 
 
 class AttentionEstimator(nn.Module, ABC):

@@ -10,8 +10,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .._validation import check_positive_int, check_tensor
 from ..errors import InputError
+from ..validation import check_positive_int, check_tensor
 from .kernel import Kernel
 
 _HALF = (torch.float16, torch.bfloat16)

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from .._validation import check_tensor
 from ..errors import DomainError, InputError
+from ..validation import check_tensor
 
 if TYPE_CHECKING:  # sympy is imported lazily: it is slow to import and only the checkers need it
     import sympy

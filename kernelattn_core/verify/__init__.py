@@ -115,6 +115,10 @@ def check_claim(entry: Entry, claim: Claim, level: str = "quick") -> CheckResult
         options = dict(getattr(claim, "options", {}) or {})
         if options:
             result.claim += " [" + ", ".join(f"{k}={v}" for k, v in options.items()) + "]"
+        if claim.expect == "fail":  # a declared negative control passes when the checker rejects it
+            result.numbers["checker_verdict"] = result.verdict
+            result.claim = f"negative control, must fail: {result.claim}"
+            result.verdict = "pass" if result.verdict == "fail" else "fail"
         return result
     except Exception as exc:
         return CheckResult(

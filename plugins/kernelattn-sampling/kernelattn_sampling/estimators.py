@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from kernelattn_core import AttentionEstimator, InputError
-from kernelattn_core._validation import check_positive_int
 from kernelattn_core.claims import (
     ConsistentAttention,
     QuadratureIdentity,
@@ -22,6 +21,7 @@ from kernelattn_core.claims import (
     UnbiasedAttention,
 )
 from kernelattn_core.engine.torch_backend import compute_dtype
+from kernelattn_core.validation import check_positive_int
 
 from . import functional as fn
 from .lara import (
@@ -215,14 +215,15 @@ class RandomizedAttentionBiased(_SamplingEstimator):
 
     Notes
     -----
-    Not unbiased: the suite keeps the AT001 test of RA run on this class as a
-    negative control that must fail.
+    Not unbiased: the AT001 test of RA is declared on this class as a negative control
+    (``expect="fail"``), so ``kernelattn verify`` shows that the test catches it.
     """
 
     name: ClassVar[str] = "ra-biased"
     unbiased: ClassVar[bool] = False
     consistent: ClassVar[bool] = False
     supports_causal: ClassVar[bool] = True
+    claims: ClassVar[tuple[Any, ...]] = (UnbiasedAttention(dim=4, seq_len=6, num_features=1, expect="fail"),)
     linear: ClassVar[bool] = False
 
     def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]

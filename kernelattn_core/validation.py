@@ -1,4 +1,4 @@
-"""Argument checks shared by the public entry points.
+"""Argument checks shared by the public entry points and by plugins.
 
 Each check raises :class:`~kernelattn_core.errors.InputError` whose message names
 the argument, what was expected and what came.
