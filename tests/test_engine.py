@@ -293,3 +293,31 @@ def test_fully_masked_rows_have_finite_gradients(use_registry, dtype: torch.dtyp
         grads = torch.autograd.grad((100.0 * out).sum(), (q, k, v))
         assert all(torch.isfinite(g).all() for g in grads)
         assert (grads[0][..., :2, :] == 0).all()  # the empty rows send no gradient to their queries
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_exact_sdpa_path_equals_naive_reference_outputs_and_gradients(causal: bool, padded: bool) -> None:
+    q, k, v = qkv(n=9, d=8, seed=21)
+    mask = _padding(2, 9) if padded else None
+    if padded:
+        mask[0, :] = True  # batch 0: every key padded (zeros, not NaN, and zero gradients)
+    results = []
+    for backend in ("sdpa", "naive"):
+        est = ka.ExactAttention(backend=backend)
+        a, b, c = (t.clone().requires_grad_(True) for t in (q, k, v))
+        out = est(a, b, c, causal=causal, key_padding_mask=mask)
+        assert est.last_backend == backend
+        (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
+        results.append((out, a.grad, b.grad, c.grad))
+    for fast, ref in zip(*results):
+        assert torch.isfinite(fast).all()
+        torch.testing.assert_close(fast, ref, rtol=1e-12, atol=1e-12)
+    if padded:
+        assert (results[0][0][0] == 0).all()
+
+
+def test_exact_backend_option_errors() -> None:
+    with pytest.raises(ka.InputError, match="backend: expected 'auto', 'sdpa' or 'naive'"):
+        ka.ExactAttention(backend="fast")
+    assert ka.create("softmax").backend == "sdpa"

@@ -8,6 +8,7 @@ import math
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from ..engine.backends import Problem, select_backend
 from ..engine.naive import allowed_pairs, kernel_attention_naive
@@ -19,6 +20,7 @@ from ..interfaces.kernel import Kernel
 from ..interfaces.normalizer import Normalizer
 from ..redraw import RedrawPolicy
 from ..validation import check_key_padding_mask, check_positive_int, check_qkv
+from .kernels import SoftmaxKernel
 
 
 def _construct(kind: str, cls: type, owner: str, options: dict[str, Any]) -> Any:
@@ -53,9 +55,17 @@ class ExactAttention(AttentionEstimator):
     .. math:: \\mathrm{out}_i = \\frac{\\sum_{j} K(q_i, k_j) v_j}{\\sum_{j} K(q_i, k_j)}
 
     over the allowed keys ``j`` (causal and padding masks), on inputs scaled by
-    :math:`d^{-1/4}`. With the softmax kernel the weights are formed in log space
-    (row maximum over the allowed keys only, so causal rows never see later keys),
-    and the result equals ``scaled_dot_product_attention``.
+    :math:`d^{-1/4}`; a query with no allowed key gets zeros.
+
+    Two paths, tested against each other on outputs and gradients:
+
+    * ``"naive"`` — the readable reference: weights formed in log space when the
+      kernel gives :math:`\\log K` (row maximum over the allowed keys only, so causal
+      rows never see later keys), else from the kernel matrix;
+    * ``"sdpa"`` — for the softmax kernel, torch's fused
+      ``scaled_dot_product_attention`` with the same masks (rows with no allowed key
+      are given a harmless mask and zeroed afterwards, so neither outputs nor
+      gradients see NaN). ``"auto"`` (the default) takes it when it applies.
 
     Parameters
     ----------
@@ -63,6 +73,8 @@ class ExactAttention(AttentionEstimator):
         The kernel, or its registry name; ``"softmax"`` by default.
     scale : float, optional
         See :class:`~kernelattn_core.interfaces.AttentionEstimator`.
+    backend : {"auto", "sdpa", "naive"}
+        Which path computes softmax attention.
     **kernel_options
         Passed to the kernel class when ``kernel`` is a name.
     """
@@ -71,14 +83,29 @@ class ExactAttention(AttentionEstimator):
     unbiased: ClassVar[bool] = True
     consistent: ClassVar[bool] = True
 
-    def __init__(self, kernel: Kernel | str = "softmax", *, scale: float | None = None, **kernel_options: Any) -> None:
+    def __init__(
+        self,
+        kernel: Kernel | str = "softmax",
+        *,
+        scale: float | None = None,
+        backend: str = "auto",
+        **kernel_options: Any,
+    ) -> None:
         super().__init__(scale=scale)
         self.kernel = resolve_kernel(kernel, kernel_options)
+        if backend not in ("auto", "sdpa", "naive"):
+            raise InputError(f"backend: expected 'auto', 'sdpa' or 'naive', got {backend!r}")
+        is_softmax = type(self.kernel).log_evaluate is SoftmaxKernel.log_evaluate
+        if backend == "sdpa" and not is_softmax:
+            raise InputError(f"backend: 'sdpa' computes softmax attention only, got kernel {self.kernel.name!r}")
+        self.backend = "sdpa" if backend in ("auto", "sdpa") and is_softmax else "naive"
 
     def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
-        self.last_backend = "exact"
+        self.last_backend = self.backend
         dtype = compute_dtype(q.dtype)
         q, k, v32 = q.to(dtype), k.to(dtype), v.to(dtype)
+        if self.backend == "sdpa":
+            return self._sdpa(q, k, v32, causal, key_padding_mask).to(v.dtype)
         logits = self.kernel.log_evaluate(q, k)  # [B, H, N, M] or None
         if logits is None:
             return kernel_attention_naive(self.kernel(q, k), v32, causal=causal, key_padding_mask=key_padding_mask).to(
@@ -93,6 +120,15 @@ class ExactAttention(AttentionEstimator):
         den = w.sum(-1, keepdim=True)
         out = (w @ v32) / torch.where(den == 0, torch.ones_like(den), den)
         return out.to(v.dtype)
+
+    @staticmethod
+    def _sdpa(q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        if key_padding_mask is None:  # q, k already carry the scale: scale=1
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=1.0)
+        allowed = allowed_pairs(q.shape[-2], k.shape[-2], causal, key_padding_mask, q.device)  # [B, 1, N, M]
+        some = allowed.any(-1, keepdim=True)  # [B, 1, N, 1]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | ~some, scale=1.0)
+        return torch.where(some, out, torch.zeros_like(out))
 
     def extra_repr(self) -> str:
         return f"kernel={self.kernel!r}, scale={self.scale}"

@@ -29,10 +29,27 @@ def _forward(benchmark, est: ka.AttentionEstimator, n: int, causal: bool) -> Non
 
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
-@pytest.mark.parametrize("name", ["softmax", "elu"])
+@pytest.mark.parametrize("name", ["softmax", "elu", "prf"])
 def test_forward(benchmark, name: str, causal: bool, n: int) -> None:  # type: ignore[no-untyped-def]
     benchmark.group = f"forward {'causal' if causal else 'noncausal'} N={n}"
-    _forward(benchmark, ka.create(name), n, causal)
+    if name not in ka.get_registry().names():
+        pytest.skip(f"{name!r} is not installed")
+    _forward(benchmark, ka.create(name, **({"num_features": 64} if name == "prf" else {})), n, causal)
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_forward_torch_sdpa(benchmark, causal: bool, n: int) -> None:  # type: ignore[no-untyped-def]
+    """The baseline people use today: torch's fused scaled_dot_product_attention."""
+    benchmark.group = f"forward {'causal' if causal else 'noncausal'} N={n}"
+    q, k, v = _inputs(n)
+    with torch.no_grad():
+        benchmark.pedantic(
+            lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal),
+            rounds=5,
+            warmup_rounds=1,
+            iterations=1,
+        )
 
 
 @pytest.mark.parametrize("chunk", [16, 64, 256])
