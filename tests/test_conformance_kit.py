@@ -116,3 +116,23 @@ def test_conformance_negative_controls(toys, cls: type, check: str) -> None:  # 
     reg = toys(cls)
     with pytest.raises(AssertionError):
         _run(reg, cls.name, check)
+
+
+class OverflowsInHalf(ka.FeatureMapAttention):
+    """Negative control: accumulates the key sums in the input dtype (float16 overflows)."""
+
+    name: ClassVar[str] = "overflows-in-half"
+
+    def __init__(self, **options):  # type: ignore[no-untyped-def]
+        super().__init__("elu", **options)
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        fq, fk = self.feature_map.query(q), self.feature_map.key(k)  # in the input dtype
+        kv = fk.transpose(-1, -2) @ v
+        return (fq @ kv) / (fq @ fk.sum(-2, keepdim=True).transpose(-1, -2))
+
+
+def test_half_precision_negative_control(toys) -> None:  # type: ignore[no-untyped-def]
+    reg = toys(OverflowsInHalf)
+    with pytest.raises(AssertionError, match="non-finite|relative error"):
+        _run(reg, "overflows-in-half", "half_precision")

@@ -10,7 +10,8 @@ and gets, for every class the plugin registers, the interface contract (shapes,
 float32/float64 preserved, device moves, batch consistency, determinism under a
 fixed generator, ``state_dict`` round trip, redraw semantics), the capability flags
 checked against behaviour (a class flagged positive never yields a non-positive
-feature), and every declared claim run by the verification framework at the level
+feature), half precision (float16 and bfloat16 attention finite and close to float32), and
+every declared claim run by the verification framework at the level
 given by ``pytest --kernelattn-level quick|full`` (quick by default).
 
 :func:`conformance_cases` gives the same checks as plain callables for use outside
@@ -241,7 +242,31 @@ def _attention_cases(entry: Entry) -> list[Case]:
             fresh.load_state_dict(torch.load(buffer))
             assert torch.equal(fresh(q, k, v), first), "state_dict round trip changed the output"
 
-    checks = [attention_shapes_and_dtypes, padding_excluded, causal_prefix_invariance, eval_determinism_and_state_dict]
+    def half_precision(level: str) -> None:
+        """float16 and bfloat16 inputs give finite outputs of the same dtype, close to the
+        float32 result of the same module (long key sums must not overflow float16)."""
+        g = _gen(13)
+        q, k, v = (torch.randn(1, 2, 256, HEAD_DIM, generator=g) * 0.5 for _ in range(3))
+        v = 200 + 50 * v  # a sum over 256 keys of such values overflows float16 unless accumulated wider
+        torch.manual_seed(0)
+        e = _make_estimator(entry.name, has_budget).eval()
+        causal = supports_causal
+        with torch.no_grad():
+            ref = e(q, k, v, causal=causal)
+            for dtype in (torch.float16, torch.bfloat16):
+                out = e(q.to(dtype), k.to(dtype), v.to(dtype), causal=causal)
+                assert out.dtype == dtype, f"{dtype} input gave {out.dtype}"
+                assert bool(torch.isfinite(out).all()), f"non-finite output in {dtype}"
+                rel = float((out.float() - ref).norm() / ref.norm())
+                assert rel < 5e-2, f"{dtype}: relative error {rel:.3g} against float32"
+
+    checks = [
+        attention_shapes_and_dtypes,
+        padding_excluded,
+        causal_prefix_invariance,
+        eval_determinism_and_state_dict,
+        half_precision,
+    ]
     return [Case(entry.name, f.__name__, f) for f in checks]
 
 
