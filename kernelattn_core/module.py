@@ -34,7 +34,8 @@ class KernelAttention(nn.Module):
     causal : bool
         Default causal flag for :meth:`forward`.
     batch_first : bool
-        Inputs are ``[B, N, E]`` when true (the default), ``[N, B, E]`` otherwise.
+        Inputs are ``[B, N, E]`` when true (the default here; note that
+        :class:`torch.nn.MultiheadAttention` defaults to ``False``), ``[N, B, E]`` otherwise.
     bias : bool
         Bias in the projections.
     kdim, vdim : int, optional
