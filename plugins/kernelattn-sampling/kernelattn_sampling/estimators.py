@@ -21,7 +21,7 @@ from kernelattn_core.claims import (
     UnbiasedAttention,
 )
 from kernelattn_core.engine.torch_backend import compute_dtype
-from kernelattn_core.validation import check_positive_int
+from kernelattn_core.validation import check_choice, check_positive_int
 
 from . import functional as fn
 from .lara import (
@@ -57,12 +57,6 @@ def _check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise InputError(f"{name}: expected a bool, got {value!r}")
     return value
-
-
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise InputError(f"{name}: expected one of {list(choices)}, got {value!r}")
-    return value  # type: ignore[return-value]
 
 
 class _SamplingEstimator(AttentionEstimator):
@@ -422,7 +416,7 @@ class LinearRandomizedAttention(AttentionEstimator):
         self.num_features = check_positive_int(
             "num_features", self.default_num_features if num_features is None else num_features
         )
-        self.landmarks = _check_choice("landmarks", landmarks, ("segment", "pool2d"))
+        self.landmarks = check_choice("landmarks", landmarks, ("segment", "pool2d"))
         if landmarks == "pool2d":
             if grid is None or len(grid) != 2:
                 raise InputError(f"grid: landmarks='pool2d' needs the token grid (height, width), got {grid!r}")
@@ -437,13 +431,13 @@ class LinearRandomizedAttention(AttentionEstimator):
                 raise InputError(f"pool: expected ph * pw = num_features = {self.num_features}, got {pool!r}")
         self.grid = tuple(grid) if grid is not None else None
         self.pool = tuple(pool) if pool is not None else None
-        self.proposal = _check_choice("proposal", proposal, PROPOSALS)
-        self.weighting = _check_choice("weighting", weighting, WEIGHTINGS)
+        self.proposal = check_choice("proposal", proposal, PROPOSALS)
+        self.weighting = check_choice("weighting", weighting, WEIGHTINGS)
         if isinstance(beta, bool) or not isinstance(beta, int | float) or not math.isfinite(beta):
             raise InputError(f"beta: expected a finite number, got {beta!r}")
         self.beta = float(beta)
-        self.r_axis = _check_choice("r_axis", r_axis, R_AXES)
-        self.negative_weights = _check_choice("negative_weights", negative_weights, NEGATIVE_POLICIES)
+        self.r_axis = check_choice("r_axis", r_axis, R_AXES)
+        self.negative_weights = check_choice("negative_weights", negative_weights, NEGATIVE_POLICIES)
         self.antithetic = _check_bool("antithetic", antithetic)
         self.noise_std = _check_noise(noise_std)
         self.generator = _check_generator(generator)
