@@ -32,7 +32,10 @@ class PPSBN(Normalizer):
       causal.
     * ``stats="batch"``: per head and feature over the batch and sequence axes (the
       name "batch normalization"); padded keys are left out of the key statistics.
-      This mixes information across positions, so it is refused with ``causal=True``.
+      This mixes information across positions (later tokens would leak into earlier
+      outputs), so it is refused with ``causal=True``, whichever map it is combined
+      with: :meth:`pre` raises when told ``causal=True`` (feature-map attention passes
+      its ``causal`` flag), and RMFA / SchoenbAt refuse it before calling :meth:`pre`.
 
     A row that is constant (so :math:`x' = 0`) becomes the zero row instead of the
     code's 0/0 NaN.
@@ -123,10 +126,27 @@ class PPSBN(Normalizer):
         return xs / norm.clamp_min(torch.finfo(x.dtype).tiny)  # a zero row stays zero
 
     def pre(
-        self, q: torch.Tensor, k: torch.Tensor, *, key_padding_mask: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+        causal: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-scaled ``q [B, H, N, d]`` and ``k [B, H, M, d]``: rows of norm :math:`s`;
-        padded keys (``key_padding_mask [B, M]``) stay out of batch statistics."""
+        padded keys (``key_padding_mask [B, M]``) stay out of batch statistics.
+
+        Raises
+        ------
+        InputError
+            ``causal=True`` with ``stats="batch"``: statistics over the sequence axis
+            would leak later tokens into earlier outputs.
+        """
+        if causal and self.stats == "batch":
+            raise InputError(
+                "causal: ppSBN with stats='batch' mixes statistics over all positions, so later tokens would "
+                "reach earlier outputs (a causality leak); use stats='token' for causal attention"
+            )
         s = self.row_scale if self.row_scale is not None else q.shape[-1] ** -0.25
         keep = None
         if self.stats == "batch" and key_padding_mask is not None:

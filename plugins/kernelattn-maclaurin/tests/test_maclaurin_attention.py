@@ -265,3 +265,19 @@ def test_rmfa_is_biased_at_finite_budget_and_the_bias_shrinks_with_budget():
             assert float(z.abs().max()) > 8  # the ratio's bias is detected
     print("max |bias| by D:", bias)
     assert bias[64] < bias[16] / 2.5
+
+
+def test_maclaurin_ppsbn_batch_statistics_refuse_causal_in_pre() -> None:
+    """Issue #15: ppSBN batch statistics span every position; told causal=True (as
+    feature-map attention does for any map: prf, rmf, ...), pre() refuses with a clear
+    error instead of leaking later tokens."""
+
+    q, k = torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
+    with pytest.raises(InputError, match="stats='token'"):
+        PPSBN(stats="batch").pre(q, k, causal=True)
+    # token statistics are per row: causal-safe, accepted, and a later token changes no earlier row
+    a, _ = PPSBN(stats="token").pre(q, k, causal=True)
+    q2 = q.clone()
+    q2[:, :, 4:] = 100.0
+    b, _ = PPSBN(stats="token").pre(q2, k, causal=True)
+    torch.testing.assert_close(a[:, :, :4], b[:, :, :4])
