@@ -112,7 +112,12 @@ class PPSBN(Normalizer):
         """Steps 1-2 of Algorithm 1 on ``x [B, H, N, d]``: unit rows (before :math:`s`).
 
         ``keep [B, 1, N, 1]`` (bool) selects the rows that enter batch statistics.
+        Half inputs are standardised in float32 (``bn_eps = 1e-12`` underflows float16,
+        and a constant row, always the case at ``d = 1``, would give 0/0); the result
+        is cast back. A constant row gives the zero row in every dtype.
         """
+        if x.dtype in (torch.float16, torch.bfloat16):
+            return self.standardize(x.float(), keep).to(x.dtype)
         if self.stats == "token":
             mean = x.mean(-1, keepdim=True)
             var = ((x - mean) ** 2).mean(-1, keepdim=True)  # biased
@@ -121,7 +126,8 @@ class PPSBN(Normalizer):
             count = w.sum(dim=(0, 2), keepdim=True).clamp_min(1.0)  # [1, H, 1, 1]
             mean = (x * w).sum(dim=(0, 2), keepdim=True) / count  # [1, H, 1, d]
             var = (((x - mean) ** 2) * w).sum(dim=(0, 2), keepdim=True) / count
-        xs = (x - mean) / torch.sqrt(var + self.bn_eps)
+        root = torch.sqrt(var + self.bn_eps)
+        xs = (x - mean) / torch.where(root > 0, root, torch.ones_like(root))  # 0/0 (bn_eps = 0): the zero row
         norm = xs.norm(dim=-1, keepdim=True)
         return xs / norm.clamp_min(torch.finfo(x.dtype).tiny)  # a zero row stays zero
 
