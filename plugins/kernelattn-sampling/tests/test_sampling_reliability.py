@@ -123,3 +123,29 @@ def test_sampling_rfa_snis_head_dim_change_is_a_clear_error() -> None:
     q8, k8, v8 = _qkv(d=8)
     with pytest.raises(ka.InputError, match="d = 4"):
         est(q8, k8, v8)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sampling_seed_none_is_taken_once_at_construction(name) -> None:
+    """seed=None: one seed from the global generator at construction (the core's redraw
+    policy agrees it across ranks), so torch.manual_seed makes replicas identical."""
+    q, k, v = _qkv()
+    torch.manual_seed(5)
+    a = ka.create(name, num_features=4).train()
+    torch.manual_seed(5)
+    b = ka.create(name, num_features=4).train()
+    torch.manual_seed(99)  # later use of the global generator changes nothing
+    for _ in range(2):
+        torch.testing.assert_close(a(q, k, v), b(q, k, v), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sampling_state_dict_continues_the_draw_schedule(name) -> None:
+    q, k, v = _qkv()
+    a = _est(name, True)
+    a(q, k, v)
+    b = ka.create(name, num_features=4, seed=77).train()
+    if name == "rfa-snis":
+        b(q, k, v)  # build (draws its samples) so that the state dict can be loaded
+    b.load_state_dict(a.state_dict())
+    torch.testing.assert_close(a(q, k, v), b(q, k, v), rtol=0, atol=0)
