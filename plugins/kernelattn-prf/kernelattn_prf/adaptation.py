@@ -53,6 +53,11 @@ class Moments:
 def moments(x: torch.Tensor, *, full: bool = False, padding: torch.Tensor | None = None) -> Moments:
     """Sample moments of ``x [..., d]`` pooled over all leading axes (float64 inside).
 
+    Rows holding a non-finite value are left out (one NaN token must not poison
+    statistics that every later batch uses). With no row left, ``count = 0`` and the
+    moments are those of :math:`A = I` (mean 0, variance 1, :math:`M = I`): callers skip
+    such a batch.
+
     Parameters
     ----------
     x : Tensor ``[..., d]``
@@ -60,11 +65,6 @@ def moments(x: torch.Tensor, *, full: bool = False, padding: torch.Tensor | None
         Also compute the second-moment matrix :math:`M = \\hat\\Sigma + \\hat\\mu\\hat\\mu^\\top`.
     padding : Tensor ``[B, M]`` of bool, optional
         For ``x [B, H, M, d]``: rows marked ``True`` (padded keys) are left out.
-
-    Rows holding a non-finite value are left out too (one NaN token must not poison
-    statistics that every later batch uses). With no row left, ``count = 0`` and the
-    moments are those of :math:`A = I` (mean 0, variance 1, :math:`M = I`): callers skip
-    such a batch.
     """
     if padding is not None and x.dim() == 4:
         x = x[~padding[:, None, :].expand(x.shape[:3])]  # [n_valid, d]
