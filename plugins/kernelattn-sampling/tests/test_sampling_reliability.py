@@ -76,11 +76,15 @@ def test_sampling_causal_prefix_in_range_outputs_do_not_depend_on_later_keys() -
         torch.testing.assert_close(a[:, :, :7], b[:, :, :7], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"landmarks": "pool2d", "grid": (3, 4)}, {"proposal": "eq33", "weighting": "coupled"}, {"antithetic": True}],
+)
 @pytest.mark.parametrize("training", [False, True])
-def test_sampling_lara_nan_query_stays_in_its_own_row(training) -> None:
+def test_sampling_lara_nan_query_stays_in_its_own_row(training, options) -> None:
     q, k, v = _qkv(n=12)
     q[0, 1, 4] = float("nan")
-    out = _est("lara", training)(q, k, v)
+    out = _est("lara", training, **options)(q, k, v)
     bad = ~torch.isfinite(out)
     assert bad[0, 1, 4].all()
     bad[0, 1, 4] = False
