@@ -239,8 +239,16 @@ class TrigSoftmaxFeatures(_TrigBase):
     -----
     Claims: FM001 unbiased for :math:`e^{x^\\top y}`; FM005 (SymPy, 1-D);
     FM003 variance :math:`e^{\\|x\\|^2 + \\|y\\|^2}(1 - K^2)^2/(2m)` with
-    :math:`K = e^{-\\|x - y\\|^2/2}`. Features overflow float32 when
-    :math:`\\|x\\|^2/2 > 88` (in the scaled coordinates the map sees).
+    :math:`K = e^{-\\|x - y\\|^2/2}`.
+
+    **Range.** What attention consumes (:meth:`raw_features`) leaves the query factor
+    :math:`e^{\\|q\\|^2/2}` out: it is a positive per-query constant that cancels
+    between numerator and denominator, and kept in it would overflow their product in
+    float32 at :math:`\\|q\\|^2/2 + \\|k\\|^2/2 > 88`. Attention is therefore finite, with
+    finite gradients, up to a key bound :math:`\\|k\\|^2/2 \\lesssim 80` in the scaled
+    coordinates (:math:`\\|k\\| \\le 12`; half inputs are computed in float32); the
+    explicit :meth:`query` / :meth:`key` maps still overflow float32 at
+    :math:`\\|x\\|^2/2 > 88`.
     """
 
     name: ClassVar[str] = "trig-softmax-features"
@@ -274,6 +282,16 @@ class TrigSoftmaxFeatures(_TrigBase):
         u = self._projection(x)  # [..., m]
         scale = torch.exp(0.5 * (x * x).sum(-1, keepdim=True)) / math.sqrt(self.num_features)  # [..., 1]
         return torch.cat([u.sin(), u.cos()], dim=-1) * scale  # [..., 2m]
+
+    def raw_features(self, x: torch.Tensor, *, query: bool) -> torch.Tensor:
+        """What attention consumes, ``[..., d]`` to ``[..., 2m]``: :math:`\\phi_k(x)` for keys,
+        :math:`e^{-\\|x\\|^2/2}\\phi_q(x)` for queries (a positive per-query factor that
+        cancels in attention; see Range in the class notes)."""
+        if not query:
+            return super().raw_features(x, query=False)
+        x = self._checked(x, "q")
+        u = self._projection(x)  # [..., m]
+        return torch.cat([u.sin(), u.cos()], dim=-1) / math.sqrt(self.num_features)  # [..., 2m]
 
 
 class RFAFeatures(_TrigBase):

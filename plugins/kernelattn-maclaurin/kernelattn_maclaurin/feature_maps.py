@@ -395,17 +395,20 @@ class RandomMaclaurinFeatures(FeatureMap):
         causal: bool = False,
     ) -> None:
         """Domain check and infinite-variance warning on the scaled ``q [B, H, N, d]`` and
-        ``k [B, H, M, d]``; padded keys (``key_padding_mask [B, M]``, ``True`` = padded) are
-        left out. Nothing is learned from the data, so ``causal`` changes nothing."""
+        ``k [B, H, M, d]`` over the pairs that interact: padded keys (``key_padding_mask
+        [B, M]``, ``True`` = padded) are left out and, with ``causal=True``, so are the
+        pairs of a query with later keys (a later token never makes an in-range prefix
+        fail). Nothing is learned from the data."""
         if self.check:
             if key_padding_mask is not None:
                 k = k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
-            self.check_inputs(q, k, stacklevel=4)
+            self.check_inputs(q, k, stacklevel=4, causal=causal)
 
-    def check_inputs(self, q: torch.Tensor, k: torch.Tensor, *, stacklevel: int = 3) -> None:
+    def check_inputs(self, q: torch.Tensor, k: torch.Tensor, *, stacklevel: int = 3, causal: bool = False) -> None:
         """Raise :class:`DomainError` if some :math:`|\\langle q_i, k_j\\rangle| \\ge R_f`; warn
         (:class:`~kernelattn_maclaurin.variance.InfiniteVarianceWarning`) if the estimate's
-        variance is infinite on some pair. ``q [..., N, d]``, ``k [..., M, d]``."""
+        variance is infinite on some pair. ``q [..., N, d]``, ``k [..., M, d]``; with
+        ``causal=True`` only the pairs :math:`j \\le i`."""
         radius = self.target.radius
         if math.isinf(radius) or q.numel() == 0 or k.numel() == 0:
             return
@@ -417,7 +420,7 @@ class RandomMaclaurinFeatures(FeatureMap):
             need_variance = self.distribution.stop is None and self.p * 3.0 * qn2 * kn2 >= radius**2
             if not (need_domain or need_variance):
                 return
-            t_max, m_max = max_pair_values(q, k, self.projection)
+            t_max, m_max = max_pair_values(q, k, self.projection, causal=causal)
         if t_max >= radius:
             raise DomainError(
                 f"<q, k>: kernel {self.kernel!r} needs |<q, k>| < {radius} (radius of convergence), got max "

@@ -32,7 +32,10 @@ class PPSBN(Normalizer):
       causal.
     * ``stats="batch"``: per head and feature over the batch and sequence axes (the
       name "batch normalization"); padded keys are left out of the key statistics.
-      This mixes information across positions, so it is refused with ``causal=True``.
+      This mixes information across positions (later tokens would leak into earlier
+      outputs), so it is refused with ``causal=True``, whichever map it is combined
+      with: :meth:`pre` raises when told ``causal=True`` (feature-map attention passes
+      its ``causal`` flag), and RMFA / SchoenbAt refuse it before calling :meth:`pre`.
 
     A row that is constant (so :math:`x' = 0`) becomes the zero row instead of the
     code's 0/0 NaN.
@@ -109,7 +112,12 @@ class PPSBN(Normalizer):
         """Steps 1-2 of Algorithm 1 on ``x [B, H, N, d]``: unit rows (before :math:`s`).
 
         ``keep [B, 1, N, 1]`` (bool) selects the rows that enter batch statistics.
+        Half inputs are standardised in float32 (``bn_eps = 1e-12`` underflows float16,
+        and a constant row, always the case at ``d = 1``, would give 0/0); the result
+        is cast back. A constant row gives the zero row in every dtype.
         """
+        if x.dtype in (torch.float16, torch.bfloat16):
+            return self.standardize(x.float(), keep).to(x.dtype)
         if self.stats == "token":
             mean = x.mean(-1, keepdim=True)
             var = ((x - mean) ** 2).mean(-1, keepdim=True)  # biased
@@ -118,15 +126,33 @@ class PPSBN(Normalizer):
             count = w.sum(dim=(0, 2), keepdim=True).clamp_min(1.0)  # [1, H, 1, 1]
             mean = (x * w).sum(dim=(0, 2), keepdim=True) / count  # [1, H, 1, d]
             var = (((x - mean) ** 2) * w).sum(dim=(0, 2), keepdim=True) / count
-        xs = (x - mean) / torch.sqrt(var + self.bn_eps)
+        root = torch.sqrt(var + self.bn_eps)
+        xs = (x - mean) / torch.where(root > 0, root, torch.ones_like(root))  # 0/0 (bn_eps = 0): the zero row
         norm = xs.norm(dim=-1, keepdim=True)
         return xs / norm.clamp_min(torch.finfo(x.dtype).tiny)  # a zero row stays zero
 
     def pre(
-        self, q: torch.Tensor, k: torch.Tensor, *, key_padding_mask: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+        causal: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-scaled ``q [B, H, N, d]`` and ``k [B, H, M, d]``: rows of norm :math:`s`;
-        padded keys (``key_padding_mask [B, M]``) stay out of batch statistics."""
+        padded keys (``key_padding_mask [B, M]``) stay out of batch statistics.
+
+        Raises
+        ------
+        InputError
+            ``causal=True`` with ``stats="batch"``: statistics over the sequence axis
+            would leak later tokens into earlier outputs.
+        """
+        if causal and self.stats == "batch":
+            raise InputError(
+                "causal: ppSBN with stats='batch' mixes statistics over all positions, so later tokens would "
+                "reach earlier outputs (a causality leak); use stats='token' for causal attention"
+            )
         s = self.row_scale if self.row_scale is not None else q.shape[-1] ** -0.25
         keep = None
         if self.stats == "batch" and key_padding_mask is not None:

@@ -130,9 +130,15 @@ def rmf_variance(
     return var.masked_fill(infinite, math.inf)
 
 
-def max_pair_values(q: torch.Tensor, k: torch.Tensor, projection: str, chunk: int = 1024) -> tuple[float, float]:
+def max_pair_values(
+    q: torch.Tensor, k: torch.Tensor, projection: str, chunk: int = 1024, *, causal: bool = False
+) -> tuple[float, float]:
     """:math:`\\max |\\langle q_i, k_j\\rangle|` and :math:`\\max m(q_i, k_j)` over all pairs
-    of ``q [..., N, d]`` and ``k [..., M, d]`` (matching leading dimensions), by chunks of queries."""
+    of ``q [..., N, d]`` and ``k [..., M, d]`` (matching leading dimensions), by chunks of queries.
+
+    With ``causal=True`` only the pairs :math:`j \\le i` count: a later key, out of the
+    domain or not finite, never makes an earlier query's check fail (the pairs above the
+    diagonal are *replaced* by 0, never multiplied)."""
     k2 = k * k
     kn = k2.sum(-1)  # [..., M]
     t_max, m_max = 0.0, 0.0
@@ -142,6 +148,10 @@ def max_pair_values(q: torch.Tensor, k: torch.Tensor, projection: str, chunk: in
         m = (qc * qc).sum(-1, keepdim=True) * kn.unsqueeze(-2) + 2 * t * t
         if projection == "rademacher":
             m = m - 2 * ((qc * qc) @ k2.transpose(-1, -2))
+        if causal:
+            rows = torch.arange(start, start + qc.shape[-2], device=q.device)[:, None]  # [C, 1]
+            later = torch.arange(k.shape[-2], device=q.device)[None, :] > rows  # [C, M]
+            t, m = t.masked_fill(later, 0.0), m.masked_fill(later, 0.0)
         if t.numel():
             t_max = max(t_max, float(t.abs().max()))
             m_max = max(m_max, float(m.max()))

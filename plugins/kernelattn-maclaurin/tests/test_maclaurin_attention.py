@@ -265,3 +265,47 @@ def test_rmfa_is_biased_at_finite_budget_and_the_bias_shrinks_with_budget():
             assert float(z.abs().max()) > 8  # the ratio's bias is detected
     print("max |bias| by D:", bias)
     assert bias[64] < bias[16] / 2.5
+
+
+def test_maclaurin_ppsbn_batch_statistics_refuse_causal_in_pre() -> None:
+    """Issue #15: ppSBN batch statistics span every position; told causal=True (as
+    feature-map attention does for any map: prf, rmf, ...), pre() refuses with a clear
+    error instead of leaking later tokens."""
+
+    q, k = torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
+    with pytest.raises(InputError, match="stats='token'"):
+        PPSBN(stats="batch").pre(q, k, causal=True)
+    # token statistics are per row: causal-safe, accepted, and a later token changes no earlier row
+    a, _ = PPSBN(stats="token").pre(q, k, causal=True)
+    q2 = q.clone()
+    q2[:, :, 4:] = 100.0
+    b, _ = PPSBN(stats="token").pre(q2, k, causal=True)
+    torch.testing.assert_close(a[:, :, :4], b[:, :, :4])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_maclaurin_schoenbat_finite_in_every_dtype_up_to_scaled_norm_10(dtype, d, causal) -> None:
+    """Issue #15: fp16 at d = 1 gave NaN (bn_eps = 1e-12 underflows float16, a one-feature
+    row is constant: 0/0). Outputs and q gradients are finite up to scaled norm 10."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, d, generator=g) for _ in range(3))
+    est = ka.create("schoenbat", num_features=16, seed=0)
+    for norm in (0.5, 10.0):
+        qq = (q / q.norm(dim=-1, keepdim=True) * norm * d**0.25).to(dtype).requires_grad_()
+        kk = (k / k.norm(dim=-1, keepdim=True) * norm * d**0.25).to(dtype)
+        out = est(qq, kk, v.to(dtype), causal=causal)
+        assert torch.isfinite(out).all(), f"{dtype} d={d} norm={norm}"
+        (grad,) = torch.autograd.grad(out.float().sum(), qq)
+        assert torch.isfinite(grad).all()
+
+
+def test_maclaurin_ppsbn_half_standardisation_matches_float32() -> None:
+    x = torch.randn(2, 2, 5, 6)
+    x[0, 0, 0] = 3.0  # a constant row: the zero row
+    ref = PPSBN().standardize(x)
+    half = PPSBN().standardize(x.half())
+    assert half.dtype == torch.float16
+    torch.testing.assert_close(half.float(), ref, rtol=2e-3, atol=2e-3)
+    assert bool((ref[0, 0, 0] == 0).all())

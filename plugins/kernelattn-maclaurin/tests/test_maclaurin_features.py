@@ -12,6 +12,7 @@ import torch
 from kernelattn_maclaurin import InfiniteVarianceWarning, RandomMaclaurinFeatures, derive_expectation, rmf_variance
 from kernelattn_maclaurin.naive import rmf_features_naive
 
+import kernelattn_core as ka
 from kernelattn_core.errors import DomainError, InputError
 
 BIG = 200_000  # features of one Monte Carlo map: the per-feature products are i.i.d. samples
@@ -285,3 +286,25 @@ def test_infinite_variance_warning_and_domain_error():
         fm.kernel_estimate(1.5 * x, 1.5 * x)
     unchecked = _map(0, head_dim=8, num_features=64, kernel="inv", check=False)
     unchecked.kernel_estimate(1.5 * x, 1.5 * x)
+
+
+@pytest.mark.parametrize("kernel", ["inv", "logi", "sqrt"])
+def test_maclaurin_rmf_causal_domain_check_sees_only_earlier_keys(kernel) -> None:
+    """Issue #15: with causal=True a later key out of the domain (|<q, k>| >= 1) made an
+    in-range prefix raise DomainError. Only pairs j <= i are checked now; the same data
+    without the causal mask still raises."""
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    q = q / q.norm(dim=-1, keepdim=True) * 0.5 * 4**0.25  # |<q, k>| <= 0.25 after the scaling
+    k = k / k.norm(dim=-1, keepdim=True) * 0.5 * 4**0.25
+    far = k.clone()
+    far[:, :, 5] = far[:, :, 5] / far[:, :, 5].norm(dim=-1, keepdim=True) * 40.0  # only row 5 sees it
+    q2 = q.clone()
+    q2[:, :, 5] = far[:, :, 5] * 0  # row 5 itself stays in the domain (zero query)
+    est = ka.create("rmf", kernel=kernel, num_features=16, seed=0).double()
+    a = est(q2, k, v, causal=True)
+    b = est(q2, far, v, causal=True)
+    torch.testing.assert_close(a[:, :, :5], b[:, :, :5])
+    with pytest.raises(DomainError, match="radius"):
+        est(q2, far, v)

@@ -53,6 +53,11 @@ class Moments:
 def moments(x: torch.Tensor, *, full: bool = False, padding: torch.Tensor | None = None) -> Moments:
     """Sample moments of ``x [..., d]`` pooled over all leading axes (float64 inside).
 
+    Rows holding a non-finite value are left out (one NaN token must not poison
+    statistics that every later batch uses). With no row left, ``count = 0`` and the
+    moments are those of :math:`A = I` (mean 0, variance 1, :math:`M = I`): callers skip
+    such a batch.
+
     Parameters
     ----------
     x : Tensor ``[..., d]``
@@ -64,7 +69,12 @@ def moments(x: torch.Tensor, *, full: bool = False, padding: torch.Tensor | None
     if padding is not None and x.dim() == 4:
         x = x[~padding[:, None, :].expand(x.shape[:3])]  # [n_valid, d]
     flat = x.detach().reshape(-1, x.shape[-1]).double()  # [n, d]
+    flat = flat[torch.isfinite(flat).all(-1)]
     n = flat.shape[0]
+    if n == 0:
+        d = flat.shape[-1]
+        zeros, ones = flat.new_zeros(d), flat.new_ones(d)
+        return Moments(zeros, ones, torch.eye(d, dtype=flat.dtype, device=flat.device) if full else None, 0)
     ddof = 1 if n > 1 else 0
     mean = flat.mean(0)  # [d]
     centred = flat - mean

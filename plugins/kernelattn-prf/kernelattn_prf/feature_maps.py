@@ -206,6 +206,11 @@ class HyperbolicPositiveRandomFeatures(PositiveRandomFeatures):
     )
 
 
+def _all_finite(*stats: adaptation.Moments) -> bool:
+    """Whether every moment of ``stats`` is finite (float64 moments of huge inputs can overflow)."""
+    return all(bool(torch.isfinite(t).all()) for m in stats for t in (m.mean, m.var, m.second) if t is not None)
+
+
 class ComplexExponentialFeatures(PositiveRandomFeatures):
     """CEXP: positive random features of :math:`(Ax, A^{-T}y)` with a real invertible :math:`A`.
 
@@ -492,13 +497,17 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
         full = self.rule == "full"
         mq = adaptation.moments(q, full=full)
         mk = adaptation.moments(k, full=full, padding=key_padding_mask)
-        if self.use_batch_stats and not causal:
+        # a batch with no (finite, unpadded) query or key has no statistics: it neither
+        # sets A nor enters the running estimates, which never store a non-finite value
+        usable = mq.count > 0 and mk.count > 0 and _all_finite(mq, mk)
+        if self.use_batch_stats and not causal and usable:
             self._set_from(mq.mean, mq.var, mk.mean, mk.var, mq.second, mk.second)
         elif tracked:
             self._set_from_running()
         else:
             self._set_identity()
-        self._update_running(mq, mk, self.momentum)
+        if usable:
+            self._update_running(mq, mk, self.momentum)
 
     @torch.no_grad()
     def fit(self, x: torch.Tensor, y: torch.Tensor) -> ComplexExponentialFeatures:
@@ -511,8 +520,14 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
         if self.rule in ("identity", "fixed"):
             return self
         full = self.rule == "full"
+        mx, my = adaptation.moments(x, full=full), adaptation.moments(y, full=full)
+        for arg, m, t in (("x", mx, x), ("y", my, y)):
+            if m.count == 0 or not _all_finite(m):
+                raise InputError(
+                    f"{arg}: fit needs at least one finite row [..., d], got none in shape {tuple(t.shape)}"
+                )
         self.num_batches_tracked.zero_()
-        self._update_running(adaptation.moments(x, full=full), adaptation.moments(y, full=full), 1.0)
+        self._update_running(mx, my, 1.0)
         self._set_from_running()
         return self
 

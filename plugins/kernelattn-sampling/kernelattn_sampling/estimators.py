@@ -2,7 +2,16 @@
 
 All work in the core's scaled coordinates (q and k multiplied by :math:`d^{-1/4}`),
 where every Gaussian of the paper has unit covariance. Randomness comes at forward
-time, in training mode, from the ``generator`` option or the global torch generator.
+time, in training mode: training call ``r`` draws from the CPU generator
+:func:`~kernelattn_core.redraw.generator_for` ``(seed, r)``, so replicas that share the
+``seed`` (agreed by the core's :class:`~kernelattn_core.redraw.RedrawPolicy` when it is
+``None``) draw the same samples, and the global torch generator is never touched. An
+explicit ``generator`` option replaces the seeded schedule.
+
+A non-finite value at a padded or (causal) future position never reaches an output:
+padded keys and values are replaced before any product, disallowed logits are
+*replaced* by :math:`-\\infty` (never added to), and value sums skip non-finite
+entries that a row may not see (:func:`~kernelattn_sampling.functional.visible_matmul`).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from kernelattn_core.claims import (
     UnbiasedAttention,
 )
 from kernelattn_core.engine.torch_backend import compute_dtype
+from kernelattn_core.redraw import RedrawPolicy, generator_for
 from kernelattn_core.validation import check_choice, check_positive_int
 
 from . import functional as fn
@@ -59,6 +69,45 @@ def _check_bool(name: str, value: object) -> bool:
     return value
 
 
+class _Draws(nn.Module):
+    """The seeded draw schedule of a sampling estimator.
+
+    ``seed`` lives in a :class:`~kernelattn_core.redraw.RedrawPolicy` (a buffer, saved in
+    ``state_dict``; agreed across data-parallel ranks by the core when ``None``); training
+    call number ``r`` draws from ``generator_for(seed, r)``. An explicit ``generator``
+    (mutually exclusive with ``seed``) is used as given instead.
+    """
+
+    def __init__(self, seed: int | None, generator: torch.Generator | None) -> None:
+        super().__init__()
+        generator = _check_generator(generator)
+        if generator is not None and seed is not None:
+            raise InputError(f"seed: give either seed or generator, not both; got seed={seed!r} and a generator")
+        self.generator = generator
+        self.policy = RedrawPolicy(0, seed)
+        self.register_buffer("calls", torch.tensor(0, dtype=torch.long))
+
+    @property
+    def seed(self) -> int:
+        return int(self.policy.seed)
+
+    def derived_seed(self, stream: int) -> int:
+        """A fixed 62-bit seed for stream ``stream`` (evaluation draws), from ``seed``."""
+        g = generator_for(self.seed, -1 - stream)
+        return int(torch.randint(0, 2**62, (), generator=g, dtype=torch.long))
+
+    def next(self) -> torch.Generator:
+        """The generator of the next training call (advances the schedule)."""
+        if self.generator is not None:
+            return self.generator
+        g = generator_for(self.seed, int(self.calls))
+        self.calls += 1
+        return g
+
+    def extra_repr(self) -> str:
+        return "generator=explicit" if self.generator is not None else f"seed={self.seed}"
+
+
 class _SamplingEstimator(AttentionEstimator):
     """Shared options: the budget, the noise scale, the generator and a saved eval seed."""
 
@@ -71,6 +120,7 @@ class _SamplingEstimator(AttentionEstimator):
         num_features: int | None = None,
         *,
         noise_std: float | str = "paper",
+        seed: int | None = None,
         generator: torch.Generator | None = None,
         scale: float | None = None,
     ) -> None:
@@ -79,10 +129,14 @@ class _SamplingEstimator(AttentionEstimator):
             "num_features", self.default_num_features if num_features is None else num_features
         )
         self.noise_std = _check_noise(noise_std)
-        self.generator = _check_generator(generator)
-        # seed of the fixed evaluation draws; a buffer, so state_dict carries it
-        seed = int(torch.randint(0, 2**62, (), dtype=torch.long))
-        self.register_buffer("eval_seed", torch.tensor(seed, dtype=torch.long))
+        self.draws = _Draws(seed, generator)
+        # seed of the fixed evaluation draws, derived from the seed; a buffer, so state_dict carries it
+        self.register_buffer("eval_seed", torch.tensor(self.draws.derived_seed(0), dtype=torch.long))
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The explicit generator option (``None``: the seeded schedule)."""
+        return self.draws.generator
 
     def _sigma(self, head_dim: int) -> float:
         return fn.noise_std_value(self.noise_std, head_dim)
@@ -122,8 +176,11 @@ class RandomizedAttention(_SamplingEstimator):
         seed saved in ``state_dict`` (``eval_seed``), so evaluation is deterministic
         (like a fixed evaluation sample set), causal prefixes see the same draws, and
         devices agree; ``True`` draws fresh ones from the generator.
+    seed : int, optional
+        Seed of the training draws and of ``eval_seed``; ``None`` takes one from the
+        global generator at construction (agreed across ranks, see the module notes).
     generator : torch.Generator, optional
-        Source of training draws (the global generator when ``None``).
+        Explicit source of the training draws instead of the seeded schedule.
     scale : float, optional
         See :class:`~kernelattn_core.interfaces.AttentionEstimator`.
 
@@ -166,10 +223,11 @@ class RandomizedAttention(_SamplingEstimator):
         noise_std: float | str = "paper",
         eval_noise: bool = False,
         eval_resample: bool = False,
+        seed: int | None = None,
         generator: torch.Generator | None = None,
         scale: float | None = None,
     ) -> None:
-        super().__init__(num_features, noise_std=noise_std, generator=generator, scale=scale)
+        super().__init__(num_features, noise_std=noise_std, seed=seed, generator=generator, scale=scale)
         self.eval_noise = _check_bool("eval_noise", eval_noise)
         self.eval_resample = _check_bool("eval_resample", eval_resample)
 
@@ -177,6 +235,7 @@ class RandomizedAttention(_SamplingEstimator):
         self.last_backend = "torch"
         dtype = compute_dtype(q.dtype)
         q, k, v32 = q.to(dtype), k.to(dtype), v.to(dtype)
+        k, v32 = fn.drop_padded(k, v32, key_padding_mask)
         probs = fn.softmax_probs(q, k, key_padding_mask, causal)  # [B, H, N, M]
         fixed = not self.training and not self.eval_resample
         omega = fn.ra_samples(
@@ -185,7 +244,7 @@ class RandomizedAttention(_SamplingEstimator):
             probs,
             self.num_features,
             self._sigma(q.shape[-1]),
-            self.generator,
+            None if fixed else self.draws.next(),
             sample_index=True,
             noise=self.training or self.eval_noise,
             counter_seed=int(self.eval_seed) if fixed else None,
@@ -204,7 +263,7 @@ class RandomizedAttentionBiased(_SamplingEstimator):
 
     Parameters
     ----------
-    num_features, noise_std, generator, scale
+    num_features, noise_std, seed, generator, scale
         As for :class:`RandomizedAttention`.
 
     Notes
@@ -224,10 +283,12 @@ class RandomizedAttentionBiased(_SamplingEstimator):
         self.last_backend = "torch"
         dtype = compute_dtype(q.dtype)
         q, k, v32 = q.to(dtype), k.to(dtype), v.to(dtype)
+        k, v32 = fn.drop_padded(k, v32, key_padding_mask)
         probs = fn.softmax_probs(q, k, key_padding_mask, causal)
         samples = self.num_features if self.training else 1
+        generator = self.draws.next() if self.training else None
         omega = fn.ra_samples(
-            q, k, probs, samples, self._sigma(q.shape[-1]), self.generator, sample_index=False, noise=self.training
+            q, k, probs, samples, self._sigma(q.shape[-1]), generator, sample_index=False, noise=self.training
         )
         return fn.ra_from_samples(omega, k, v32, key_padding_mask, causal).to(v.dtype)
 
@@ -252,8 +313,11 @@ class RFASNIS(AttentionEstimator):
         ``S`` samples (64 by default).
     orthogonal : bool
         Block-orthogonal samples (off by default, as in the paper).
+    seed : int, optional
+        Seed of the draws: the first build uses draw 0, training call ``r`` redraws
+        with draw ``r``; ``None`` takes one at construction (agreed across ranks).
     generator : torch.Generator, optional
-        Source of the draws (the global generator when ``None``).
+        Explicit source of the draws instead of the seeded schedule.
     scale : float, optional
 
     Notes
@@ -277,13 +341,14 @@ class RFASNIS(AttentionEstimator):
         num_features: int | None = None,
         *,
         orthogonal: bool = False,
+        seed: int | None = None,
         generator: torch.Generator | None = None,
         scale: float | None = None,
     ) -> None:
         super().__init__(scale=scale)
         from kernelattn_prf.feature_maps import PositiveRandomFeatures
 
-        self.generator = _check_generator(generator)
+        self.draws = _Draws(seed, generator)
         budget = self.default_num_features if num_features is None else num_features
         self.features = PositiveRandomFeatures(num_features=budget, orthogonal=_check_bool("orthogonal", orthogonal))
 
@@ -291,12 +356,23 @@ class RFASNIS(AttentionEstimator):
     def num_features(self) -> int:
         return self.features.num_features
 
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The explicit generator option (``None``: the seeded schedule)."""
+        return self.draws.generator
+
     def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
         fm = self.features
         if not fm.built:
-            fm.build(q.shape[-1], generator=self.generator)
+            fm.build(q.shape[-1], generator=self.draws.next())
+        elif q.shape[-1] != fm.head_dim:
+            raise InputError(
+                f"q: {self.name!r} drew its samples for head dimension d = {fm.head_dim}, got d = {q.shape[-1]} "
+                f"(q shape {tuple(q.shape)}); use one estimator per head dimension"
+            )
         elif self.training:
-            fm.redraw(generator=self.generator)
+            fm.redraw(generator=self.draws.next())
+        k, v = fn.drop_padded(k, v, key_padding_mask)
         if causal:
             from kernelattn_core.engine.backends import Problem, select_backend
 
@@ -369,7 +445,11 @@ class LinearRandomizedAttention(AttentionEstimator):
     noise_std : {"paper", "code"} or float
         Noise scale of the draws (``"code"``: :math:`d^{-1/4}` as in the released code,
         whose density ratio still assumes unit variance).
+    seed : int, optional
+        Seed of the training draws (call ``r`` uses draw ``r``); ``None`` takes one at
+        construction (agreed across ranks).
     generator : torch.Generator, optional
+        Explicit source of the training draws instead of the seeded schedule.
     scale : float, optional
 
     Notes
@@ -409,6 +489,7 @@ class LinearRandomizedAttention(AttentionEstimator):
         landmark_projection: bool = False,
         head_dim: int | None = None,
         noise_std: float | str = "paper",
+        seed: int | None = None,
         generator: torch.Generator | None = None,
         scale: float | None = None,
     ) -> None:
@@ -440,7 +521,7 @@ class LinearRandomizedAttention(AttentionEstimator):
         self.negative_weights = check_choice("negative_weights", negative_weights, NEGATIVE_POLICIES)
         self.antithetic = _check_bool("antithetic", antithetic)
         self.noise_std = _check_noise(noise_std)
-        self.generator = _check_generator(generator)
+        self.draws = _Draws(seed, generator)
         self.q_proj: nn.Module | None = None
         self.k_proj: nn.Module | None = None
         if _check_bool("landmark_projection", landmark_projection):
@@ -451,17 +532,23 @@ class LinearRandomizedAttention(AttentionEstimator):
             self.k_proj = nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d))
 
     def landmarks_of(
-        self, q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        q_keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Query and key landmarks ``[B, H, C', d]`` and the kept key landmarks ``[B or 1, C']``."""
+        """Query and key landmarks ``[B, H, C', d]`` and the kept key landmarks ``[B or 1, C']``.
+
+        ``q_keep [B, H, N]`` leaves queries (non-finite ones) out of the query landmarks."""
         keep = None if key_padding_mask is None else ~key_padding_mask
         if self.landmarks == "pool2d":
             assert self.grid is not None and self.pool is not None
-            q_land, _ = pooled_means(q, self.grid, self.pool)
+            q_land, _ = pooled_means(q, self.grid, self.pool, q_keep)
             k_land, ok = pooled_means(k, self.grid, self.pool, keep)
         else:
             c = min(self.num_features, q.shape[-2], k.shape[-2])
-            q_land, _ = segment_means(q, c)
+            q_land, _ = segment_means(q, c, q_keep)
             k_land, ok = segment_means(k, c, keep)
         if self.q_proj is not None and self.k_proj is not None:
             q_land, k_land = self.q_proj(q_land), self.k_proj(k_land)
@@ -471,11 +558,16 @@ class LinearRandomizedAttention(AttentionEstimator):
         self.last_backend = "torch"
         dtype = compute_dtype(q.dtype)
         q, k, v32 = q.to(dtype), k.to(dtype), v.to(dtype)
-        q_land, k_land, ok = self.landmarks_of(q, k, key_padding_mask)
+        k, v32 = fn.drop_padded(k, v32, key_padding_mask)
+        # a non-finite query leaves every statistic shared by the rows (landmarks, r'):
+        # it can only make its own row non-finite
+        q_keep = torch.isfinite(q).all(-1)  # [B, H, N]
+        q_keep = None if bool(q_keep.all()) else q_keep
+        q_land, k_land, ok = self.landmarks_of(q, k, key_padding_mask, q_keep)
         props = make_proposals(self.proposal, q_land, k_land, k, key_padding_mask, ok)
         if self.training:
             omega, owner = props.sample(
-                fn.noise_std_value(self.noise_std, q.shape[-1]), self.generator, self.antithetic
+                fn.noise_std_value(self.noise_std, q.shape[-1]), self.draws.next(), self.antithetic
             )
         else:
             omega = props.expected()  # [B, H, C, d]
@@ -493,6 +585,7 @@ class LinearRandomizedAttention(AttentionEstimator):
             r_axis=self.r_axis,
             negative_weights=self.negative_weights,
             key_padding_mask=key_padding_mask,
+            q_keep=q_keep,
         )
         return out.to(v.dtype)
 

@@ -21,6 +21,54 @@ NEG_INF = float("-inf")
 
 
 # --------------------------------------------------------------------------- generic helpers
+def drop_padded(
+    k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k [B, H, M, d]`` and ``v [B, H, M, dv]`` with padded positions *replaced* by 0.
+
+    No query sees a padded key, so whatever it holds (NaN, inf) is removed before any
+    product: :math:`0 \\cdot \\mathrm{NaN}` would otherwise reach every row.
+    """
+    if key_padding_mask is None:
+        return k, v
+    pad = key_padding_mask[:, None, :, None]  # [B, 1, M, 1]
+    return k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
+
+
+def visible_matmul(w: torch.Tensor, x: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """``w @ x`` where row ``i`` may only see the entries ``j`` with ``visible[i, j]``.
+
+    ``w [..., X, M]`` is zero outside ``visible`` (bool, broadcastable to ``w``) and
+    ``x [..., M, dv]``. A plain product gives :math:`0 \\cdot \\mathrm{NaN} = \\mathrm{NaN}`
+    in every row when some ``x_j`` is not finite, including rows that must not see it
+    (a later position under the causal mask). Non-finite entries are therefore replaced
+    by 0 in the product and the output is set to NaN exactly where a *visible* ``j``
+    holds a non-finite entry in that column, as an exact computation would give.
+    """
+    finite = torch.isfinite(x)
+    if bool(finite.all()):
+        return w @ x
+    out = w @ torch.where(finite, x, torch.zeros_like(x))
+    seen = (visible.to(x.dtype) @ (~finite).to(x.dtype)) > 0  # [..., X, dv]
+    return out.masked_fill(seen, float("nan"))
+
+
+def scores(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``x @ k^T`` ``[..., X, M]`` that keeps a non-finite key ``k_j`` in its own column.
+
+    Forward, ``x @ k^T`` already confines it to column ``j`` (set to NaN here), which
+    the caller then replaces by ``-inf`` wherever ``j`` is masked. The backward pass of a
+    plain product, however, computes ``grad_x = G @ k`` and :math:`0 \\cdot \\mathrm{NaN}`
+    would give every row a NaN gradient; the product is therefore taken with
+    non-finite keys replaced by 0.
+    """
+    finite = torch.isfinite(k).all(-1)  # [..., M]
+    if bool(finite.all()):
+        return x @ k.transpose(-1, -2)
+    out = x @ k.masked_fill(~finite[..., None], 0.0).transpose(-1, -2)
+    return out.masked_fill(~finite[..., None, :], float("nan"))
+
+
 def safe_softmax_stats(logits: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-normaliser and softmax average of ``values``, safe for all ``-inf`` rows.
 
@@ -43,7 +91,8 @@ def safe_softmax_stats(logits: torch.Tensor, values: torch.Tensor) -> tuple[torc
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     w = (logits - top).exp()  # [..., X, M]
     den = w.sum(-1, keepdim=True)  # [..., X, 1]
-    mean = (w @ values) / torch.where(den == 0, torch.ones_like(den), den)  # [..., X, dv]
+    visible = logits != NEG_INF  # a -inf logit is a masked (or weightless) key: its value is never seen
+    mean = visible_matmul(w, values, visible) / torch.where(den == 0, torch.ones_like(den), den)  # [..., X, dv]
     return (den.log() + top).squeeze(-1), mean
 
 
@@ -55,6 +104,11 @@ def key_log_bias(k: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torc
     return bias
 
 
+def causal_allowed(n: int, m: int, device: torch.device) -> torch.Tensor:
+    """``[N, M]`` bool, ``True`` where key ``j <= i`` (query ``i`` may see it)."""
+    return torch.ones(n, m, dtype=torch.bool, device=device).tril()
+
+
 def causal_bias(n: int, m: int, like: torch.Tensor) -> torch.Tensor:
     """``[N, M]`` with 0 where key ``j <= i`` and ``-inf`` after."""
     allowed = torch.ones(n, m, dtype=torch.bool, device=like.device).tril()
@@ -62,7 +116,11 @@ def causal_bias(n: int, m: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def target_stats(
-    omega: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
+    omega: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Key statistics of samples: :math:`\\log D(\\omega)` and :math:`f(\\omega)`.
 
@@ -75,13 +133,18 @@ def target_stats(
     k : Tensor ``[B, H, M, d]``
     v : Tensor ``[B, H, M, dv]``
     bias : Tensor broadcastable to ``[B, H, X, M]``
-        :func:`key_log_bias` plus any causal ``-inf``.
+        :func:`key_log_bias` (``-inf`` at padded keys).
+    allowed : Tensor of bool broadcastable to ``[B, H, X, M]``, optional
+        Which keys each sample may see (the causal mask); the others' logits are
+        *replaced* by ``-inf``, so a later key holding NaN or inf reaches no earlier row.
 
     Returns
     -------
     log_den ``[B, H, X]`` and f ``[B, H, X, dv]``.
     """
-    lk = omega @ k.transpose(-1, -2) + bias  # [B, H, X, M]
+    lk = scores(omega, k) + bias  # [B, H, X, M]
+    if allowed is not None:
+        lk = lk.masked_fill(~allowed, NEG_INF)
     return safe_softmax_stats(lk, v)
 
 
@@ -90,11 +153,11 @@ def softmax_probs(
 ) -> torch.Tensor:
     """Exact attention probabilities :math:`\\pi_{nm}` ``[B, H, N, M]`` (zero rows when
     no key is allowed)."""
-    logits = q @ k.transpose(-1, -2)  # [B, H, N, M]
+    logits = scores(q, k)  # [B, H, N, M]
     if key_padding_mask is not None:
         logits = logits.masked_fill(key_padding_mask[:, None, None, :], NEG_INF)
-    if causal:
-        logits = logits + causal_bias(q.shape[-2], k.shape[-2], logits)
+    if causal:  # replaced, never added to: NaN + (-inf) would stay NaN
+        logits = logits.masked_fill(~causal_allowed(q.shape[-2], k.shape[-2], q.device), NEG_INF)
     top = logits.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     w = (logits - top).exp()
@@ -116,7 +179,8 @@ def draw_indices(probs: torch.Tensor, samples: int, generator: torch.Generator |
     """
     *lead, m = probs.shape
     flat = probs.detach().reshape(-1, m).to(torch.float64)
-    empty = flat.sum(-1, keepdim=True) <= 0
+    # rows with no allowed key, or that see a non-finite key (their output is NaN anyway)
+    empty = (flat.sum(-1, keepdim=True) <= 0) | ~torch.isfinite(flat).all(-1, keepdim=True)
     flat = torch.where(empty, torch.ones_like(flat), flat)
     device = generator.device if generator is not None else flat.device
     idx = torch.multinomial(flat.to(device), samples, replacement=True, generator=generator)  # [rows, S]
@@ -163,9 +227,8 @@ def ra_from_samples(
     """
     b, h, n, s, d = omega.shape
     bias = key_log_bias(k, key_padding_mask)  # [B, H, 1, M]
-    if causal:
-        bias = bias + causal_bias(n, k.shape[-2], k).repeat_interleave(s, dim=0)  # [N*S, M]
-    _, f = target_stats(omega.reshape(b, h, n * s, d), k, v, bias)  # [B, H, N*S, dv]
+    allowed = causal_allowed(n, k.shape[-2], k.device).repeat_interleave(s, dim=0) if causal else None  # [N*S, M]
+    _, f = target_stats(omega.reshape(b, h, n * s, d), k, v, bias, allowed)  # [B, H, N*S, dv]
     return f.reshape(b, h, n, s, -1).mean(3)
 
 
@@ -199,7 +262,9 @@ def ra_samples(
             idx = counter_indices(probs, samples, counter_seed, stream=0)
         centre = gather_rows(k, idx)  # [B, H, N, S, d]
     else:
-        centre = (probs @ k).unsqueeze(3).expand(*q.shape[:3], samples, q.shape[-1])  # [B, H, N, S, d]
+        centre = (
+            visible_matmul(probs, k, probs != 0).unsqueeze(3).expand(*q.shape[:3], samples, q.shape[-1])
+        )  # [B, H, N, S, d]
     omega = q.unsqueeze(3) + centre
     if noise and noise_std != 0:
         if counter_seed is None:

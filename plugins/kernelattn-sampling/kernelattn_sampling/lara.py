@@ -50,16 +50,23 @@ def segment_lengths(n: int, c: int) -> list[int]:
 
 def segment_means(x: torch.Tensor, c: int, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Segment means ``[B, H, C', d]`` of ``x [B, H, N, d]`` and which segments hold a
-    kept token ``[B or 1, C']`` (``C' = min(C, N)``).
+    kept token ``[B or 1, C']`` (``[B, H, C']`` for a per-head ``keep``; ``C' = min(C, N)``).
 
-    ``keep [B, N]`` (bool) excludes padded tokens from the means; a segment with no
-    kept token gets a zero landmark.
+    ``keep [B, N]`` or ``[B, H, N]`` (bool) excludes tokens (padded keys, non-finite
+    queries) from the means: they are replaced by 0 before the product, so whatever they
+    hold reaches no landmark. A segment with no kept token gets a zero landmark.
     """
     n = x.shape[-2]
     lengths = segment_lengths(n, c)
     seg = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), torch.tensor(lengths, device=x.device))
     member = F.one_hot(seg, len(lengths)).T.to(x.dtype).unsqueeze(0)  # [1, C', N]
+    if keep is not None and keep.dim() == 3:
+        x = x.masked_fill(~keep[..., None], 0.0)
+        member = member.unsqueeze(0) * keep[:, :, None, :].to(x.dtype)  # [B, H, C', N]
+        count = member.sum(-1, keepdim=True)  # [B, H, C', 1]
+        return (member / count.clamp_min(1)) @ x, count.squeeze(-1) > 0
     if keep is not None:
+        x = x.masked_fill(~keep[:, None, :, None], 0.0)
         member = member * keep[:, None, :].to(x.dtype)  # [B, C', N]
     count = member.sum(-1, keepdim=True)  # [B, C', 1]
     avg = member / count.clamp_min(1)
@@ -72,7 +79,8 @@ def pooled_means(
     """2-D adaptive average pooling of an image grid of tokens to ``pool`` landmarks.
 
     ``x [B, H, gh*gw, d]`` (row-major grid) gives ``[B, H, ph*pw, d]`` and the kept
-    landmark mask ``[B or 1, ph*pw]``.
+    landmark mask ``[B or 1, ph*pw]``. ``keep [B, N]`` or ``[B, H, N]`` excludes tokens
+    (replaced by 0 before pooling).
     """
     b, h, n, d = x.shape
     gh, gw = grid
@@ -83,7 +91,9 @@ def pooled_means(
         pooled = F.adaptive_avg_pool2d(img, pool)
         ok = torch.ones(1, pool[0] * pool[1], dtype=torch.bool, device=x.device)
     else:
-        w = keep.to(x.dtype).reshape(b, 1, 1, gh, gw).expand(b, h, 1, gh, gw).reshape(b * h, 1, gh, gw)
+        keep = keep if keep.dim() == 3 else keep[:, None, :].expand(b, h, n)  # [B, H, N]
+        w = keep.to(x.dtype).reshape(b * h, 1, gh, gw)
+        img = img.masked_fill(~keep.reshape(b * h, 1, gh, gw), 0.0)
         num = F.adaptive_avg_pool2d(img * w, pool)
         den = F.adaptive_avg_pool2d(w, pool)  # [B*H, 1, ph, pw]
         pooled = num / den.clamp_min(1e-30)
@@ -188,11 +198,18 @@ def make_proposals(
 
 
 # --------------------------------------------------------------------------- weighting functions
-def r_prime(q: torch.Tensor, q_land: torch.Tensor, axis: str = "query") -> torch.Tensor:
+def r_prime(
+    q: torch.Tensor, q_land: torch.Tensor, axis: str = "query", q_keep: torch.Tensor | None = None
+) -> torch.Tensor:
     """:math:`r'_{nc} = \\exp(q_n^\\top\\tilde q_c) / \\sum_{n'} \\exp(q_{n'}^\\top\\tilde q_c)`
     (``axis="query"``, the released code's reading of Eq. 37) or normalised over
-    landmarks ``c`` (``axis="landmark"``), ``[B, H, N, C]``."""
+    landmarks ``c`` (``axis="landmark"``), ``[B, H, N, C]``.
+
+    ``q_keep [B, H, N]`` (bool) leaves queries out of the sum over ``n'`` (a non-finite
+    query would otherwise reach every row); their own ``r'`` is 0."""
     logits = q @ q_land.transpose(-1, -2)  # [B, H, N, C]
+    if q_keep is not None and axis == "query":
+        logits = logits.masked_fill(~q_keep[..., None], NEG_INF)
     return torch.softmax(logits, dim=-2 if axis == "query" else -1)
 
 
@@ -297,6 +314,7 @@ def lara_from_samples(
     r_axis: str = "query",
     negative_weights: str = "clamp",
     key_padding_mask: torch.Tensor | None = None,
+    q_keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Self-normalised MIS (Eq. 10 / Eq. 28) in log space.
 
@@ -322,6 +340,9 @@ def lara_from_samples(
     negative_weights : {"clamp", "signed"}
         ``clamp``: :math:`\\alpha \\leftarrow \\max(\\alpha, 10^{-8})` (released code);
         ``signed``: exact signed arithmetic, the normaliser may approach zero.
+    q_keep : Tensor ``[B, H, N]`` of bool, optional
+        Queries that enter statistics shared by all rows (:func:`r_prime`); a
+        non-finite query only affects its own row.
 
     Returns
     -------
@@ -335,7 +356,7 @@ def lara_from_samples(
     if weighting in ("coupled", "decoupled"):
         if q_land is None:
             raise InputError(f"q_land: weighting {weighting!r} needs the query landmarks")
-        rp = r_prime(q, q_land, r_axis)
+        rp = r_prime(q, q_land, r_axis, q_keep)
     w, is_log = realized_weights(weighting, lr, omega, owner, rp, beta, q.shape[-2])
     if is_log:
         return safe_softmax_stats(base + w, ybar)[1]

@@ -122,6 +122,36 @@ class SpectralMixtureKernel(ShiftInvariantKernel):
             out = out * torch.cos(delta @ self.means.to(delta.dtype).transpose(0, 1))  # [..., C]
         return out.mean(-1)
 
+    def row_scaled_matrix(self, q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """:math:`K(q_i, k_j)\\,e^{-m_i}` ``[..., N, M]``, 0 outside ``allowed``: the kernel
+        matrix up to a positive per-query factor, which cancels in attention.
+
+        .. math:: m_i = \\max_{j \\text{ allowed}, c} -\\tfrac12 \\delta_{ij}^\\top A_c A_c^\\top \\delta_{ij}
+
+        (detached). At large :math:`\\|q - k\\|` every :math:`K(q_i, k_j)` underflows; the
+        plain matrix then gives a subnormal row sum whose reciprocal overflows in the
+        backward pass (NaN gradients at scaled norm 10). Here the largest magnitude of a
+        row is :math:`\\approx 1`, so outputs and gradients stay finite. Disallowed pairs
+        (``allowed``, bool broadcastable to ``[..., N, M]``: causal and padding masks) are
+        *replaced* before any arithmetic, so a later or padded key (NaN, inf) reaches no
+        allowed entry, in the backward pass either.
+        """
+        d = q.shape[-1]
+        _check_dim("means", self.means, d)
+        _check_dim("factors", self.factors, d)
+        delta = q.unsqueeze(-2) - k.unsqueeze(-3)  # [..., N, M, d]
+        if allowed is not None:
+            delta = delta.masked_fill(~allowed.unsqueeze(-1), 0.0)
+        expo = -0.5 * _transpose_apply(self.factors, delta, self.bandwidth).pow(2).sum(-1)  # [..., N, M, C]
+        if allowed is not None:
+            expo = expo.masked_fill(~allowed.unsqueeze(-1), float("-inf"))
+        top = expo.detach().amax(dim=(-2, -1), keepdim=True)  # [..., N, 1, 1]
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        out = torch.exp(expo - top)
+        if self.means is not None:
+            out = out * torch.cos(delta @ self.means.to(delta.dtype).transpose(0, 1))  # [..., N, M, C]
+        return out.mean(-1)
+
     def __repr__(self) -> str:
         return f"SpectralMixtureKernel(C={_components(self.means, self.factors)}, bandwidth={self.bandwidth})"
 
