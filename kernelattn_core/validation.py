@@ -6,6 +6,7 @@ the argument, what was expected and what came.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -57,6 +58,22 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
     if q.shape[-1] == 0:
         raise InputError("q: expected a head dimension d >= 1, got 0")
+    if q.device.type == "meta":
+        raise InputError(
+            "q: expected tensors with data (cpu, cuda, ...), got device 'meta'; the meta device holds no values, "
+            "and random features, statistics and data-dependent checks need them"
+        )
+
+
+def check_scale(scale: object) -> float | None:
+    """Check the attention ``scale``: ``None`` (meaning :math:`1/\\sqrt{d}`) or a finite number > 0."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
+        raise InputError(f"scale: expected a positive finite number or None (1/sqrt(d)), got {scale!r}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise InputError(f"scale: expected a positive finite number or None (1/sqrt(d)), got {scale!r}")
+    return scale
 
 
 def check_key_padding_mask(mask: object, batch: int, keys: int, device: torch.device) -> torch.Tensor | None:
