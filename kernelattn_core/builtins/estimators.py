@@ -18,6 +18,7 @@ from ..interfaces.estimator import AttentionEstimator
 from ..interfaces.feature_map import FeatureMap
 from ..interfaces.kernel import Kernel
 from ..interfaces.normalizer import Normalizer
+from ..lookup import resolve_class
 from ..redraw import RedrawPolicy
 from ..validation import check_key_padding_mask, check_positive_int, check_qkv
 from .kernels import SoftmaxKernel
@@ -25,11 +26,19 @@ from .kernels import SoftmaxKernel
 
 def _construct(kind: str, cls: type, owner: str, options: dict[str, Any]) -> Any:
     """``cls(**options)`` with an error that names unknown options and the accepted ones."""
-    params = inspect.signature(cls.__init__).parameters
-    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if cls.__init__ is object.__init__:  # a class without options: (self, /, *args, **kwargs) would accept anything
+        params: dict[str, inspect.Parameter] = {}
+        accepts_any = False
+    else:
+        params = dict(inspect.signature(cls.__init__).parameters)
+        accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     if not accepts_any:
         accepted = [n for n, p in params.items() if n != "self" and p.kind is not inspect.Parameter.VAR_POSITIONAL]
         unknown = sorted(set(options) - set(accepted))
+        if unknown and not accepted:
+            raise InputError(
+                f"{owner}: {kind} {getattr(cls, 'name', cls.__name__)!r} takes no options, got option(s) {unknown}"
+            )
         if unknown:
             raise InputError(
                 f"{owner}: unknown option(s) {unknown} for {kind} {getattr(cls, 'name', cls.__name__)!r}; "
@@ -43,9 +52,7 @@ def resolve_kernel(kernel: Kernel | str, options: dict[str, Any]) -> Kernel:
         if options:
             raise InputError(f"kernel: options {sorted(options)} given with a Kernel instance; pass a name instead")
         return kernel
-    from ..registry import get_registry
-
-    return _construct("kernel", get_registry().kernel(kernel), "kernel", options)
+    return _construct("kernel", resolve_class(kernel, "kernel"), "kernel", options)
 
 
 def _all_finite(*tensors: torch.Tensor) -> bool:
@@ -222,9 +229,6 @@ class FeatureMapAttention(AttentionEstimator):
         **feature_map_options: Any,
     ) -> None:
         super().__init__(scale=scale)
-        from ..registry import get_registry
-
-        registry = get_registry()
         if isinstance(feature_map, FeatureMap):
             if num_features is not None or feature_map_options:
                 raise InputError(
@@ -235,13 +239,13 @@ class FeatureMapAttention(AttentionEstimator):
             options = dict(feature_map_options)
             if num_features is not None:
                 options["num_features"] = num_features
-            self.feature_map = _construct("feature map", registry.feature_map(feature_map), "create", options)
+            self.feature_map = _construct("feature map", resolve_class(feature_map, "feature_map"), "create", options)
         if normalizer is None:
             normalizer = self.feature_map.default_normalizer
         if isinstance(normalizer, Normalizer):
             self.normalizer = normalizer
         else:
-            self.normalizer = registry.normalizer(normalizer)()
+            self.normalizer = resolve_class(normalizer, "normalizer")()
         self.redraw_policy = RedrawPolicy(redraw_every, seed)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
         self.backend = backend

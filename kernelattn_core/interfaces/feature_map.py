@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
+from ..lookup import resolve_class
 from ..validation import check_positive_int, check_tensor
 from .kernel import Kernel
 
@@ -248,9 +249,7 @@ class FeatureMap(nn.Module, ABC):
         """
         if self.kernel is None:
             raise InputError(f"{self.name!r}: the map declares no target kernel (kernel = None)")
-        from ..registry import get_registry
-
-        return get_registry().kernel(self.kernel)()
+        return resolve_class(self.kernel, "kernel")()
 
     def exact_kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The exact target :math:`K(x_i, y_j)`, ``[..., N, M]``, for the map's current
