@@ -15,6 +15,11 @@ from .errors import InputError
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
+#: The largest random draw (number of values) a feature map or estimator may allocate:
+#: :math:`2^{28}` values, 2 GiB in float64 (draws are made in float64). A budget whose draw
+#: would be larger is refused with the size it would need, before the allocator is reached.
+MAX_DRAW_ELEMENTS = 2**28
+
 
 def check_tensor(name: str, x: object, ndim: int | None = None, shape_doc: str = "") -> torch.Tensor:
     """Check that ``x`` is a floating-point tensor with ``ndim`` dimensions."""
@@ -104,4 +109,23 @@ def check_choice(name: str, value: object, choices: Sequence[object]) -> object:
     """Check that ``value`` is one of ``choices``."""
     if value not in choices:
         raise InputError(f"{name}: expected one of {list(choices)}, got {value!r}")
+    return value
+
+
+def check_budget(name: str, value: object, per_unit: int = 1, what: str = "") -> int:
+    """Check a budget (``num_features``, samples, landmarks): an int ``>= 1`` whose draw,
+    ``value * per_unit`` values drawn in float64, fits in :data:`MAX_DRAW_ELEMENTS`.
+
+    ``per_unit`` is the number of values drawn per unit of budget (the head dimension
+    ``d`` for a Gaussian projection matrix); ``what`` describes it for the message.
+    """
+    value = check_positive_int(name, value)
+    need = value * max(int(per_unit), 1)
+    if need > MAX_DRAW_ELEMENTS:
+        gib = need * 8 / 2**30
+        factor = f" × {what} = {per_unit}" if what else ""
+        raise InputError(
+            f"{name}: expected a budget whose random draw fits in {MAX_DRAW_ELEMENTS:,} float64 values (2 GiB), "
+            f"got {name} = {value:,}{factor}: {need:,} values ({gib:.1f} GiB)"
+        )
     return value
