@@ -143,9 +143,16 @@ def test_the_catalogue_has_at_least_40_kinds_each_naming_an_argument() -> None:
     assert all(b.argument for b in BAD_INPUTS)
 
 
-def test_fuzz_tests_is_the_conformance_kit_hook() -> None:
+def test_fuzz_tests_is_the_conformance_kit_hook(controls) -> None:  # type: ignore[no-untyped-def]
+    """A plugin's ``fuzz_tests("plugin")`` covers exactly that plugin's classes, with every property."""
     from kernelattn_core.testing import fuzz_tests
+    from kernelattn_core.testing.fuzz import PROPERTIES
 
-    test = fuzz_tests("builtins", properties=("empty_shapes",))
-    ids = [m.kwargs for m in getattr(test, "pytestmark", [])]
-    assert ids and any("case" in str(m.args) for m in test.pytestmark)
+    cases = fuzz_cases("controls", registry=controls)
+    assert {c.target for c in cases} == {e.name for e in controls.entries("estimator") if e.plugin == "controls"}
+    assert {c.prop for c in cases} == set(PROPERTIES)
+    test = fuzz_tests("controls", properties=("empty_shapes",))
+    (mark,) = [m for m in test.pytestmark if m.name == "parametrize"]
+    assert sorted(c.id for c in mark.args[1]) == sorted(
+        f"{c.target}-empty_shapes" for c in cases if c.prop == "empty_shapes"
+    )
