@@ -10,6 +10,10 @@ patterns:
 ``padding_non_finite``
     Whatever a padded key or value holds (NaN, ``inf``, huge values), every row equals
     the output with other padded contents, with and without ``causal``.
+``normalizer_causal``
+    Every feature map with every registered normaliser (each ``stats`` choice
+    included) either keeps causal prefix invariance or refuses ``causal=True`` with an
+    :class:`~kernelattn_core.errors.InputError`, in training and eval mode.
 ``running_stats``
     A training batch whose keys are all padded (and hold NaN) leaves the module's eval
     outputs unchanged and finite (data-adapted maps must skip it).
@@ -39,6 +43,7 @@ Plugins get the same suite with::
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 from collections.abc import Callable
@@ -378,6 +383,68 @@ def _replica_agreement(entry: Entry) -> Callable[[], None]:
     return check
 
 
+def _normalizer_variants(registry: Registry) -> list[tuple[str, Any]]:
+    """Every registered normaliser with default options, plus each ``stats`` choice of
+    those that take one (batch statistics are where causal leaks hide)."""
+    out = []
+    for entry in registry.entries("normalizer"):
+        out.append((entry.name, {}))
+        params = inspect.signature(entry.cls.__init__).parameters
+        if "stats" in params:
+            out += [(entry.name, {"stats": choice}) for choice in ("batch", "token", "running")]
+    return out
+
+
+def _normalizer_causal(entry: Entry) -> Callable[[], None]:
+    prop = "normalizer_causal"
+
+    def check() -> None:
+        if entry.kind != "feature_map":
+            return
+        from ..builtins.estimators import FeatureMapAttention
+
+        registry = get_registry()
+        q, k, v = _tensors(21, 2, 2, 12, 12, 4, 3, 0.5, torch.float64)
+        t = 5
+        k2, v2 = k.clone(), v.clone()
+        k2[:, :, t:] += 3.0 * torch.randn(k2[:, :, t:].shape, generator=torch.Generator().manual_seed(1), dtype=k.dtype)
+        v2[:, :, t:] -= 5.0
+        problems = []
+        for norm_name, options in _normalizer_variants(registry):
+            label = f"{norm_name}({', '.join(f'{a}={b!r}' for a, b in options.items())})"
+            try:
+                norm = registry.normalizer(norm_name)(**options)
+            except InputError:
+                continue  # a choice this normaliser does not have
+
+            def fresh(training: bool, norm: Any = norm) -> Any:
+                # a fresh twin per call: a training call may update statistics for *later* calls
+                torch.manual_seed(0)
+                return (
+                    FeatureMapAttention(entry.name, copy.deepcopy(norm), num_features=16, seed=0)
+                    .double()
+                    .train(training)
+                )
+
+            for training in (False, True):
+                try:
+                    with torch.no_grad():
+                        base = fresh(training)(q, k, v, causal=True)
+                        out = fresh(training)(q, k2, v2, causal=True)
+                except InputError:
+                    continue  # refusing causal mode with a clear error is allowed
+                except Exception as exc:
+                    problems.append(f"{label}, training={training}: raised {type(exc).__name__}: {exc}")
+                    continue
+                if not _close(out[:, :, :t], base[:, :, :t], 1e-7):
+                    gap = float((out[:, :, :t] - base[:, :, :t]).abs().nan_to_num(float("inf")).max())
+                    problems.append(f"{label}, training={training}: later tokens changed earlier rows by {gap:.3g}")
+        if problems:
+            raise _fail(entry.name, prop, "normaliser leaks the future:\n" + "\n".join(problems))
+
+    return check
+
+
 # --------------------------------------------------------------------------- the bad-input catalogue
 def _qkv(b: int = 2, h: int = 2, n: int = 5, m: int = 5, d: int = 4, dv: int = 3) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
@@ -544,6 +611,7 @@ PROPERTIES: dict[str, Callable[[Entry], Callable[[], None]]] = {
     "causal_prefix_non_finite": lambda e: _causal_prefix(e, non_finite=True),
     "padding_non_finite": _padding,
     "running_stats": _running_stats,
+    "normalizer_causal": _normalizer_causal,
     "finite_at_norm": _finite_at_norm,
     "empty_shapes": _empty_shapes,
     "replica_agreement": _replica_agreement,

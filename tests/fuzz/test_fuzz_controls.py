@@ -78,10 +78,23 @@ class Unseeded(Correct):
         return super()._attend(q, k, v, causal, key_padding_mask) + 0.1 * torch.randn(())
 
 
+class SequenceMeanNormalizer(ka.Normalizer):
+    """Centres keys by their mean over the whole sequence: later keys move earlier rows."""
+
+    name: ClassVar[str] = "ctl-sequence-mean"
+
+    def pre(self, q, k, *, key_padding_mask=None):  # type: ignore[no-untyped-def]
+        return q, k - k.mean(-2, keepdim=True)
+
+
 class Plugin:
     @ka.hookimpl
     def kernelattn_estimators(self):  # type: ignore[no-untyped-def]
         return [Correct, MultipliesMask, LeaksFuture, Overflows, IgnoresSeed, Unseeded]
+
+    @ka.hookimpl
+    def kernelattn_normalizers(self):  # type: ignore[no-untyped-def]
+        return [SequenceMeanNormalizer]
 
 
 @pytest.fixture
@@ -118,6 +131,12 @@ def test_each_defect_fails_its_property_naming_estimator_and_property(controls, 
     message = _outcome(controls, name, prop)
     assert message is not None, f"{name} passed {prop} despite its defect"
     assert message.startswith(f"{name}: {prop}:"), message
+
+
+def test_a_leaking_normalizer_fails_normalizer_causal_naming_it(controls) -> None:  # type: ignore[no-untyped-def]
+    message = _outcome(controls, "elu", "normalizer_causal")
+    assert message is not None and message.startswith("elu: normalizer_causal:"), message
+    assert "ctl-sequence-mean()" in message and "row()" not in message
 
 
 @pytest.mark.parametrize(
