@@ -198,7 +198,10 @@ class FeatureMapAttention(AttentionEstimator):
         Redraw the random features every this many training steps (0: never); frozen
         in eval mode. See :class:`~kernelattn_core.redraw.RedrawPolicy`.
     seed : int, optional
-        Seed of the redraw policy.
+        Seed of the redraw policy. ``None`` takes one from the global torch generator;
+        inside an initialised :mod:`torch.distributed` process group it is broadcast
+        from rank 0 (a collective: build the model on every rank, or pass a seed), so
+        every replica draws the same features (:func:`~kernelattn_core.redraw.agreed_seed`).
     chunk_size : int
         Chunk length of the causal form.
     backend : str, optional
