@@ -7,6 +7,7 @@ from typing import Any
 from .builtins.estimators import ExactAttention, FeatureMapAttention, _construct
 from .interfaces import AttentionEstimator
 from .registry import get_registry
+from .validation import check_budget
 
 
 def create(name: str, **options: Any) -> AttentionEstimator:
@@ -21,7 +22,9 @@ def create(name: str, **options: Any) -> AttentionEstimator:
       (:class:`~kernelattn_core.builtins.ExactAttention`).
 
     The budget option is ``num_features`` for every estimator that has one (random
-    features, samples or landmarks), so one loop sweeps them all.
+    features, samples or landmarks), so one loop sweeps them all; a budget above
+    :data:`~kernelattn_core.validation.MAX_DRAW_ELEMENTS` is refused with the size it
+    would need.
 
     Examples
     --------
@@ -32,6 +35,8 @@ def create(name: str, **options: Any) -> AttentionEstimator:
     'elu'
     """
     entry = get_registry().get(name)
+    if "num_features" in options and options["num_features"] is not None:
+        check_budget("num_features", options["num_features"])
     if entry.kind == "estimator":
         return _construct("estimator", entry.cls, f"create({name!r})", options)
     if entry.kind == "feature_map":

@@ -154,9 +154,9 @@ class KernelAttention(nn.Module):
 
 
 def _accepts_head_dim(name: str) -> bool:
-    from .registry import get_registry
+    from .lookup import resolve
 
-    entry = get_registry().get(name)
+    entry = resolve(name)
     return entry.kind == "feature_map" or "head_dim" in _init_params(entry.cls)
 
 

@@ -6,6 +6,11 @@
 * Draw number ``r`` uses a CPU :class:`torch.Generator` seeded with a fixed function
   of ``(seed, r)``. Replicas of a data-parallel model that share the seed and the
   step therefore draw the same features, on every device, without communication.
+* ``seed=None`` takes a seed from the global torch generator; inside an initialised
+  :mod:`torch.distributed` process group the seed is *agreed*: rank 0's is broadcast
+  once (:func:`agreed_seed`), when the policy is made or, if the group is initialised
+  later, at the first draw. Every rank therefore holds the same draws, shapes included,
+  even with ``broadcast_buffers=False`` and no seed given.
 * ``seed``, the step counter and the draw counter are buffers, so ``state_dict``
   carries them with the draws: a reloaded model gives bit-identical outputs and
   continues the same schedule.
@@ -14,6 +19,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .errors import InputError
@@ -31,6 +37,40 @@ def generator_for(seed: int, draw: int) -> torch.Generator:
     return g
 
 
+def _group_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def check_seed(seed: object) -> int | None:
+    """Check a ``seed`` option: an int or ``None``."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise InputError(f"seed: expected an int or None, got {seed!r}")
+    return seed
+
+
+def agreed_seed(seed: int | None = None) -> int:
+    """``seed``, or when ``None`` a fresh seed that every rank of an initialised process
+    group shares.
+
+    Outside a process group the fresh seed comes from the global torch generator (so
+    ``torch.manual_seed`` makes a model reproducible). Inside one, rank 0's draw is
+    broadcast, a collective: every rank must call this at the same point (building a
+    model does). Random estimators of plugins should take their seed from here.
+    """
+    seed = check_seed(seed)
+    if seed is not None:
+        return seed & _MASK63
+    local = int(torch.randint(0, 2**62, (), dtype=torch.long))
+    if not _group_ready():
+        return local
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([local], dtype=torch.long, device=device)
+    dist.broadcast(t, src=0)
+    return int(t.item()) & _MASK63
+
+
 class RedrawPolicy(nn.Module):
     """When and how a feature map gets new random draws.
 
@@ -40,26 +80,39 @@ class RedrawPolicy(nn.Module):
         Redraw every ``every`` training steps; 0 never redraws.
     seed : int, optional
         Base seed; when ``None`` one is taken from the global torch generator, so
-        ``torch.manual_seed`` makes the whole model reproducible.
+        ``torch.manual_seed`` makes the whole model reproducible, and agreed across the
+        ranks of an initialised process group (:func:`agreed_seed`).
     """
 
     def __init__(self, every: int = 0, seed: int | None = None) -> None:
         super().__init__()
         self.every = check_positive_int("redraw_every", every, minimum=0)
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (), dtype=torch.long))
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise InputError(f"seed: expected an int or None, got {seed!r}")
-        self.register_buffer("seed", torch.tensor(seed & _MASK63, dtype=torch.long))
+        seed = check_seed(seed)
+        #: whether the seed is the user's or already agreed across ranks (not a buffer:
+        #: a loaded state dict brings its seed, and loading is the same on every rank)
+        self._seed_settled = seed is not None or _group_ready()
+        self.register_buffer("seed", torch.tensor(agreed_seed(seed), dtype=torch.long))
         self.register_buffer("step", torch.tensor(0, dtype=torch.long))
         self.register_buffer("draws", torch.tensor(0, dtype=torch.long))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if prefix + "seed" in state_dict:  # a loaded seed is the same on every rank that loads it
+            self._seed_settled = True
 
     def generator(self) -> torch.Generator:
         """Generator of the current draw number."""
         return generator_for(int(self.seed), int(self.draws))
 
+    def _settle_seed(self) -> None:
+        """Agree the seed across ranks if it was drawn before the process group existed."""
+        if not self._seed_settled and _group_ready():
+            self.seed.fill_(agreed_seed(None))
+        self._seed_settled = self._seed_settled or _group_ready()
+
     def initial(self, feature_map: FeatureMap, head_dim: int) -> None:
         """Build ``feature_map`` for ``head_dim`` with draw number 0."""
+        self._settle_seed()
         feature_map.build(head_dim, generator=self.generator())
 
     def before_forward(self, feature_map: FeatureMap, training: bool) -> None:
@@ -68,6 +121,7 @@ class RedrawPolicy(nn.Module):
             return
         step = int(self.step)
         if step > 0 and step % self.every == 0:
+            self._settle_seed()
             self.draws += 1
             feature_map.redraw(generator=self.generator())
         self.step += 1

@@ -13,7 +13,8 @@ Environment switches
 ``KERNELATTN_TRACE_HOOKS=1``
     Print every hook call and what it returned to stderr.
 
-A plugin that fails to import, raises in a hook, or returns a bad class is reported
+A plugin that fails to import (``SystemExit`` included; ``KeyboardInterrupt`` still
+propagates), raises in a hook, or returns a bad class is reported
 as a :class:`~kernelattn_core.errors.PluginWarning` naming the plugin and the error;
 its good classes and every other plugin keep working. ``strict=True`` turns those
 warnings into :class:`~kernelattn_core.errors.PluginError`.
@@ -37,6 +38,7 @@ from . import hookspecs
 from .errors import PluginError, PluginWarning, UnknownNameError
 from .experiments import Experiment
 from .interfaces import AttentionEstimator, FeatureMap, Kernel, Normalizer
+from .lookup import install_resolver
 
 ENTRY_POINT_GROUP = "kernelattn"
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]*$")
@@ -153,7 +155,8 @@ class Registry:
             dist_version = dist.version if dist is not None else None
             try:
                 obj = ep.load()
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:  # SystemExit too: a plugin must not end the process
+                # (KeyboardInterrupt and GeneratorExit still propagate)
                 self._plugins[ep.name] = PluginInfo(ep.name, dist_name, dist_version)
                 self._problem(ep.name, f"failed to import {ep.value!r}: {type(exc).__name__}: {exc}")
                 continue
@@ -180,7 +183,7 @@ class Registry:
                     continue
                 try:
                     result = self._call(impl, hook_name, name)
-                except Exception as exc:
+                except (Exception, SystemExit) as exc:
                     self._problem(name, f"hook {hook_name} raised {type(exc).__name__}: {exc}")
                     continue
                 if result is None:
@@ -199,7 +202,7 @@ class Registry:
                 continue
             try:
                 result = self._call(impl, "kernelattn_experiments", info.name) or []
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:
                 self._problem(info.name, f"hook kernelattn_experiments raised {type(exc).__name__}: {exc}")
                 continue
             for exp in result:
@@ -328,3 +331,8 @@ def reload_plugins(**options: Any) -> Registry:
     global _REGISTRY
     _REGISTRY = Registry(**options)
     return _REGISTRY
+
+
+# the core's interfaces and built-ins look names up through kernelattn_core.lookup,
+# so that they never import this module (which imports them)
+install_resolver(lambda name, kind: get_registry().get(name, kind))

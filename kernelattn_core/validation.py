@@ -6,6 +6,7 @@ the argument, what was expected and what came.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -13,6 +14,11 @@ import torch
 from .errors import InputError
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+#: The largest random draw (number of values) a feature map or estimator may allocate:
+#: :math:`2^{28}` values, 2 GiB in float64 (draws are made in float64). A budget whose draw
+#: would be larger is refused with the size it would need, before the allocator is reached.
+MAX_DRAW_ELEMENTS = 2**28
 
 
 def check_tensor(name: str, x: object, ndim: int | None = None, shape_doc: str = "") -> torch.Tensor:
@@ -57,6 +63,22 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
     if q.shape[-1] == 0:
         raise InputError("q: expected a head dimension d >= 1, got 0")
+    if q.device.type == "meta":
+        raise InputError(
+            "q: expected tensors with data (cpu, cuda, ...), got device 'meta'; the meta device holds no values, "
+            "and random features, statistics and data-dependent checks need them"
+        )
+
+
+def check_scale(scale: object) -> float | None:
+    """Check the attention ``scale``: ``None`` (meaning :math:`1/\\sqrt{d}`) or a finite number > 0."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
+        raise InputError(f"scale: expected a positive finite number or None (1/sqrt(d)), got {scale!r}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise InputError(f"scale: expected a positive finite number or None (1/sqrt(d)), got {scale!r}")
+    return scale
 
 
 def check_key_padding_mask(mask: object, batch: int, keys: int, device: torch.device) -> torch.Tensor | None:
@@ -87,4 +109,23 @@ def check_choice(name: str, value: object, choices: Sequence[object]) -> object:
     """Check that ``value`` is one of ``choices``."""
     if value not in choices:
         raise InputError(f"{name}: expected one of {list(choices)}, got {value!r}")
+    return value
+
+
+def check_budget(name: str, value: object, per_unit: int = 1, what: str = "") -> int:
+    """Check a budget (``num_features``, samples, landmarks): an int ``>= 1`` whose draw,
+    ``value * per_unit`` values drawn in float64, fits in :data:`MAX_DRAW_ELEMENTS`.
+
+    ``per_unit`` is the number of values drawn per unit of budget (the head dimension
+    ``d`` for a Gaussian projection matrix); ``what`` describes it for the message.
+    """
+    value = check_positive_int(name, value)
+    need = value * max(int(per_unit), 1)
+    if need > MAX_DRAW_ELEMENTS:
+        gib = need * 8 / 2**30
+        factor = f" × {what} = {per_unit}" if what else ""
+        raise InputError(
+            f"{name}: expected a budget whose random draw fits in {MAX_DRAW_ELEMENTS:,} float64 values (2 GiB), "
+            f"got {name} = {value:,}{factor}: {need:,} values ({gib:.1f} GiB)"
+        )
     return value

@@ -98,3 +98,37 @@ def test_redraw_policy_rejects_bad_arguments() -> None:
         ka.RedrawPolicy(-1)
     with pytest.raises(ka.InputError, match="seed: expected an int or None"):
         ka.RedrawPolicy(1, seed="x")  # type: ignore[arg-type]
+
+
+def test_budget_whose_draw_would_not_fit_is_refused_with_the_size_it_needs() -> None:
+    from kernelattn_core.validation import MAX_DRAW_ELEMENTS
+
+    with pytest.raises(ka.InputError, match=r"num_features: .*got num_features = 1,000,000,000.*7\.5 GiB"):
+        ka.create("elu", num_features=10**9)
+    with pytest.raises(ka.InputError, match=r"num_features: .*got num_features = 1,000,000,000"):
+        ka.create("feature-map", num_features=10**9)
+    # fits alone, not once the head dimension is known: refused at build, before any allocation
+    est = ka.create("elu", num_features=MAX_DRAW_ELEMENTS // 4)
+    q = torch.randn(1, 1, 2, 8)
+    with pytest.raises(ka.InputError, match=r"num_features = 67,108,864 × head_dim = 8"):
+        est(q, q, q)
+
+
+def test_seeded_estimator_built_at_construction_or_lazily_draws_the_same() -> None:
+    name = "example-antithetic" if "example-antithetic" in ka.get_registry().names() else "rff"
+    a = ka.create(name, seed=3, head_dim=4, num_features=8)
+    b = ka.create(name, seed=3, num_features=8)
+    c = ka.create(name, seed=4, num_features=8)
+    q = torch.randn(1, 1, 3, 4)
+    torch.testing.assert_close(a(q, q, q), b(q, q, q))
+    assert not torch.allclose(a(q, q, q), c(q, q, q))  # the seed does matter
+
+
+def test_policy_seed_survives_a_state_dict_round_trip_untouched() -> None:
+    from kernelattn_core.redraw import RedrawPolicy
+
+    p = RedrawPolicy(1, seed=None)
+    p2 = RedrawPolicy(1, seed=None)
+    p2._seed_settled = False
+    p2.load_state_dict(p.state_dict())
+    assert p2._seed_settled and int(p2.seed) == int(p.seed)

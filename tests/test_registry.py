@@ -216,3 +216,92 @@ def test_trace_switch_prints_every_hook_call(monkeypatch: pytest.MonkeyPatch, ca
     monkeypatch.delenv("KERNELATTN_TRACE_HOOKS")
     ka.Registry(autoload=False)
     assert capsys.readouterr().err == ""
+
+
+def _install(tmp_path: Path, dist: str, ep_name: str, module: str, source: str) -> None:
+    (tmp_path / f"{module}.py").write_text(source)
+    info = tmp_path / f"{dist.replace('-', '_')}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[kernelattn]\n{ep_name} = {module}\n")
+
+
+def test_plugin_raising_system_exit_at_import_is_isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _install(tmp_path, "ka-exiting-plugin", "exiting", "ka_exiting_plugin", "raise SystemExit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(PluginWarning, match=r"'exiting'.*SystemExit"):
+        reg = ka.Registry(autoload=True)
+    assert reg.get("softmax").plugin == "builtins"
+    assert any(p.name == "exiting" and p.errors for p in reg.plugins())
+    with pytest.raises(PluginError, match=r"'exiting'.*SystemExit"):
+        ka.Registry(autoload=True, strict=True)
+
+
+def test_plugin_hook_raising_system_exit_is_isolated() -> None:
+    class Exiting:
+        @ka.hookimpl
+        def kernelattn_kernels(self):  # type: ignore[no-untyped-def]
+            raise SystemExit("no")
+
+    reg = ka.Registry(autoload=False)
+    with pytest.warns(PluginWarning, match=r"'exiting'.*SystemExit"):
+        reg.register_plugin(Exiting(), "exiting")
+    assert "softmax" in reg.names("kernel")
+
+
+def test_keyboard_interrupt_at_plugin_import_still_propagates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _install(tmp_path, "ka-interrupting-plugin", "interrupting", "ka_interrupting_plugin", "raise KeyboardInterrupt\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        ka.Registry(autoload=True)
+
+
+@pytest.mark.parametrize("name", ["softmax", "exact"])
+def test_option_to_an_option_less_class_names_the_option_and_the_class(name: str) -> None:
+    options = {"foo": 1} if name == "softmax" else {"kernel": "softmax", "foo": 1}
+    with pytest.raises(ka.InputError, match=r"'softmax' takes no options, got option\(s\) \['foo'\]"):
+        ka.create(name, **options)
+
+
+def test_importing_the_interfaces_does_not_import_the_registry() -> None:
+    """The registry imports the interfaces; the interfaces must not import it back. The
+    package ``__init__`` (which imports everything) is bypassed so that only what
+    ``kernelattn_core.interfaces`` itself pulls in gets imported."""
+    import subprocess
+
+    code = textwrap.dedent(
+        """
+        import sys, types, pathlib, importlib.util
+        spec = importlib.util.find_spec("kernelattn_core")
+        pkg = types.ModuleType("kernelattn_core")
+        pkg.__path__ = list(spec.submodule_search_locations)
+        sys.modules["kernelattn_core"] = pkg
+        import kernelattn_core.interfaces, kernelattn_core.builtins.estimators, kernelattn_core.redraw
+        print(sorted(m for m in sys.modules if m.startswith("kernelattn_core")))
+        assert "kernelattn_core.registry" not in sys.modules
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr + done.stdout
+
+
+def test_no_core_module_below_the_registry_imports_it_lazily() -> None:
+    """A function-level ``from ..registry import`` would hide the circle from the test above."""
+    import ast
+
+    root = Path(ka.__file__).parent
+    files = [*(root / "interfaces").glob("*.py"), *(root / "builtins").glob("*.py"), root / "module.py"]
+    files += [root / "redraw.py", root / "validation.py", root / "lookup.py"]
+    offenders = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] == "registry":
+                offenders.append(f"{path.name}:{node.lineno}")
+            if isinstance(node, ast.Import) and any(a.name.endswith(".registry") for a in node.names):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert offenders == []
+
+
+def test_target_kernel_resolves_through_the_installed_registry() -> None:
+    rff = ka.get_registry().feature_map("rff")(num_features=4)
+    assert type(rff.target_kernel()).__name__ == "GaussianKernel"

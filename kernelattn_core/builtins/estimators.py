@@ -11,13 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.backends import Problem, select_backend
-from ..engine.naive import allowed_pairs, kernel_attention_naive
+from ..engine.naive import allowed_pairs
 from ..engine.torch_backend import CausalState, compute_dtype, feature_attention_step
 from ..errors import InputError
 from ..interfaces.estimator import AttentionEstimator
 from ..interfaces.feature_map import FeatureMap
 from ..interfaces.kernel import Kernel
 from ..interfaces.normalizer import Normalizer
+from ..lookup import resolve_class
 from ..redraw import RedrawPolicy
 from ..validation import check_key_padding_mask, check_positive_int, check_qkv
 from .kernels import SoftmaxKernel
@@ -25,11 +26,19 @@ from .kernels import SoftmaxKernel
 
 def _construct(kind: str, cls: type, owner: str, options: dict[str, Any]) -> Any:
     """``cls(**options)`` with an error that names unknown options and the accepted ones."""
-    params = inspect.signature(cls.__init__).parameters
-    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if cls.__init__ is object.__init__:  # a class without options: (self, /, *args, **kwargs) would accept anything
+        params: dict[str, inspect.Parameter] = {}
+        accepts_any = False
+    else:
+        params = dict(inspect.signature(cls.__init__).parameters)
+        accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     if not accepts_any:
         accepted = [n for n, p in params.items() if n != "self" and p.kind is not inspect.Parameter.VAR_POSITIONAL]
         unknown = sorted(set(options) - set(accepted))
+        if unknown and not accepted:
+            raise InputError(
+                f"{owner}: {kind} {getattr(cls, 'name', cls.__name__)!r} takes no options, got option(s) {unknown}"
+            )
         if unknown:
             raise InputError(
                 f"{owner}: unknown option(s) {unknown} for {kind} {getattr(cls, 'name', cls.__name__)!r}; "
@@ -43,9 +52,28 @@ def resolve_kernel(kernel: Kernel | str, options: dict[str, Any]) -> Kernel:
         if options:
             raise InputError(f"kernel: options {sorted(options)} given with a Kernel instance; pass a name instead")
         return kernel
-    from ..registry import get_registry
+    return _construct("kernel", resolve_class(kernel, "kernel"), "kernel", options)
 
-    return _construct("kernel", get_registry().kernel(kernel), "kernel", options)
+
+def _all_finite(*tensors: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _weighted_values(w: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """:math:`\\sum_{j \\text{ allowed}} w_{ij} v_j`, ``[B, H, N, dv]``, for weights ``w [B, H, N, M]``
+    that are 0 outside ``allowed`` and values ``v [B, H, M, dv]``.
+
+    ``w @ v`` would give :math:`0 \\cdot \\mathrm{NaN} = \\mathrm{NaN}` in a row that must not see a
+    non-finite ``v_j`` (a later position under the causal mask). Non-finite values are
+    therefore replaced by 0 in the product, and an output entry is set to NaN exactly
+    where an *allowed* key carries a non-finite value in that column.
+    """
+    finite = torch.isfinite(v)
+    if allowed is None or bool(finite.all()):
+        return w @ v
+    out = w @ torch.where(finite, v, torch.zeros_like(v))
+    seen = (allowed.to(v.dtype) @ (~finite).to(v.dtype)) > 0  # [B, H, N, dv]: a non-finite value is visible
+    return out.masked_fill(seen, float("nan"))
 
 
 class ExactAttention(AttentionEstimator):
@@ -101,24 +129,32 @@ class ExactAttention(AttentionEstimator):
         self.backend = "sdpa" if backend in ("auto", "sdpa") and is_softmax else "naive"
 
     def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
-        self.last_backend = self.backend
         dtype = compute_dtype(q.dtype)
         q, k, v32 = q.to(dtype), k.to(dtype), v.to(dtype)
-        if self.backend == "sdpa":
+        if key_padding_mask is not None:
+            # a padded key or value is seen by no query: replace it (never multiply it by 0)
+            pad = key_padding_mask[:, None, :, None]  # [B, 1, M, 1]
+            k = k.masked_fill(pad, 0.0)
+            v32 = v32.masked_fill(pad, 0.0)
+        # SDPA forms q k^T + mask and weights @ v: a non-finite later key or value would
+        # reach earlier causal rows (NaN + -inf, 0 * NaN); such calls take the reference path
+        if self.backend == "sdpa" and not (causal and not _all_finite(k, v32)):
+            self.last_backend = "sdpa"
             return self._sdpa(q, k, v32, causal, key_padding_mask).to(v.dtype)
+        self.last_backend = "naive"
+        allowed = allowed_pairs(q.shape[-2], k.shape[-2], causal, key_padding_mask, q.device)  # [B|1, 1, N, M]
         logits = self.kernel.log_evaluate(q, k)  # [B, H, N, M] or None
         if logits is None:
-            return kernel_attention_naive(self.kernel(q, k), v32, causal=causal, key_padding_mask=key_padding_mask).to(
-                v.dtype
-            )
-        allowed = allowed_pairs(q.shape[-2], k.shape[-2], causal, key_padding_mask, q.device)
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed, float("-inf"))
-        top = logits.detach().amax(-1, keepdim=True)  # over allowed keys of the row only
-        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        w = (logits - top).exp()
-        den = w.sum(-1, keepdim=True)
-        out = (w @ v32) / torch.where(den == 0, torch.ones_like(den), den)
+            w = self.kernel.masked_matrix(q, k, allowed)  # [B, H, N, M], 0 outside allowed
+            den = w.sum(-1, keepdim=True)
+        else:
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed, float("-inf"))
+            top = logits.detach().amax(-1, keepdim=True)  # over allowed keys of the row only
+            top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+            w = (logits - top).exp()
+            den = w.sum(-1, keepdim=True)
+        out = _weighted_values(w, v32, allowed) / torch.where(den == 0, torch.ones_like(den), den)
         return out.to(v.dtype)
 
     @staticmethod
@@ -162,7 +198,10 @@ class FeatureMapAttention(AttentionEstimator):
         Redraw the random features every this many training steps (0: never); frozen
         in eval mode. See :class:`~kernelattn_core.redraw.RedrawPolicy`.
     seed : int, optional
-        Seed of the redraw policy.
+        Seed of the redraw policy. ``None`` takes one from the global torch generator;
+        inside an initialised :mod:`torch.distributed` process group it is broadcast
+        from rank 0 (a collective: build the model on every rank, or pass a seed), so
+        every replica draws the same features (:func:`~kernelattn_core.redraw.agreed_seed`).
     chunk_size : int
         Chunk length of the causal form.
     backend : str, optional
@@ -193,9 +232,6 @@ class FeatureMapAttention(AttentionEstimator):
         **feature_map_options: Any,
     ) -> None:
         super().__init__(scale=scale)
-        from ..registry import get_registry
-
-        registry = get_registry()
         if isinstance(feature_map, FeatureMap):
             if num_features is not None or feature_map_options:
                 raise InputError(
@@ -206,13 +242,13 @@ class FeatureMapAttention(AttentionEstimator):
             options = dict(feature_map_options)
             if num_features is not None:
                 options["num_features"] = num_features
-            self.feature_map = _construct("feature map", registry.feature_map(feature_map), "create", options)
+            self.feature_map = _construct("feature map", resolve_class(feature_map, "feature_map"), "create", options)
         if normalizer is None:
             normalizer = self.feature_map.default_normalizer
         if isinstance(normalizer, Normalizer):
             self.normalizer = normalizer
         else:
-            self.normalizer = registry.normalizer(normalizer)()
+            self.normalizer = resolve_class(normalizer, "normalizer")()
         self.redraw_policy = RedrawPolicy(redraw_every, seed)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
         self.backend = backend

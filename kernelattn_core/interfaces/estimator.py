@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
-from ..validation import check_key_padding_mask, check_qkv
+from ..validation import check_key_padding_mask, check_qkv, check_scale
 
 
 class AttentionEstimator(nn.Module, ABC):
@@ -31,7 +31,15 @@ class AttentionEstimator(nn.Module, ABC):
     **Masks.** ``key_padding_mask [B, M]`` is boolean with ``True`` marking a padded
     key (the :class:`torch.nn.MultiheadAttention` convention). Padded keys leave both
     the numerator and the normaliser. A query whose keys are all masked gets zeros.
-    ``causal=True`` needs ``N == M``: query ``i`` sees keys ``j <= i``.
+    ``causal=True`` needs ``N == M``: query ``i`` sees keys ``j <= i``. A value at a
+    padded or future position never reaches an output, whatever it is (NaN and inf
+    included): such positions are removed with ``where``/``masked_fill``, never
+    multiplied by zero.
+
+    **Empty shapes.** ``B = 0``, ``H = 0``, ``N = 0`` or ``M = 0`` give an output of
+    shape ``[B, H, N, dv]`` without calling the estimator (zeros when ``M = 0``: a
+    query with no key gets zeros), as :func:`torch.nn.functional.scaled_dot_product_attention`
+    does; it stays connected to the autograd graph (zero gradients).
 
     The public :meth:`forward` validates and scales, then calls :meth:`_attend`
     (template method).
@@ -67,9 +75,7 @@ class AttentionEstimator(nn.Module, ABC):
 
     def __init__(self, *, scale: float | None = None) -> None:
         super().__init__()
-        if scale is not None and (not isinstance(scale, int | float) or isinstance(scale, bool) or scale <= 0):
-            raise InputError(f"scale: expected a positive number or None (1/sqrt(d)), got {scale!r}")
-        self.scale = scale
+        self.scale = check_scale(scale)
         #: name of the backend that ran the last forward call (for reporting)
         self.last_backend: str | None = None
 
@@ -95,6 +101,8 @@ class AttentionEstimator(nn.Module, ABC):
                     f"causal: expected as many queries as keys (N == M) for causal attention, "
                     f"got N = {q.shape[2]}, M = {k.shape[2]}"
                 )
+        if q.numel() == 0 or k.numel() == 0:
+            return _empty_output(q, k, v)
         s = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         root = math.sqrt(s)
         return self._attend(q * root, k * root, v, causal, mask)
@@ -112,3 +120,15 @@ class AttentionEstimator(nn.Module, ABC):
 
     def extra_repr(self) -> str:
         return f"scale={self.scale}"
+
+
+def _empty_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``[B, H, N, dv]`` zeros for a call with no query or no key, joined to the graph.
+
+    The anchor is a sum over an empty slice of each input: exactly 0 whatever the inputs
+    hold (NaN included), and differentiable, so ``out.sum().backward()`` gives zero
+    gradients as :func:`torch.nn.functional.scaled_dot_product_attention` does.
+    """
+    b, h, n = q.shape[:3]
+    anchor = q.flatten()[:0].sum() + k.flatten()[:0].sum() + v.flatten()[:0].sum()
+    return torch.zeros(b, h, n, v.shape[-1], dtype=v.dtype, device=v.device) + anchor.to(v.dtype)

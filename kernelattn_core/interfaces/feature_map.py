@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from ..errors import InputError
-from ..validation import check_positive_int, check_tensor
+from ..lookup import resolve_class
+from ..validation import check_budget, check_positive_int, check_tensor
 from .kernel import Kernel
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -33,6 +34,12 @@ class FeatureMap(nn.Module, ABC):
     happen, and draws are registered buffers, so they move with ``.to()`` and are
     saved in ``state_dict``. A state dict can be loaded into a map that has not been
     built yet: it is built from the saved head dimension first.
+
+    **Budgets.** ``num_features`` and ``num_features × head_dim`` (the size of a
+    projection draw) must not exceed
+    :data:`~kernelattn_core.validation.MAX_DRAW_ELEMENTS` (:math:`2^{28}` values, 2 GiB in
+    float64); a larger budget is refused with :class:`~kernelattn_core.errors.InputError`
+    giving the size it would need, instead of reaching the allocator.
 
     Subclasses implement :meth:`_build` (allocate parameters and buffers),
     :meth:`_redraw` (fill the random buffers), :meth:`_feature_dim` and
@@ -91,7 +98,7 @@ class FeatureMap(nn.Module, ABC):
         super().__init__()
         if num_features is None:
             num_features = self.default_num_features
-        self.num_features = check_positive_int("num_features", num_features)
+        self.num_features = check_budget("num_features", num_features)
         self.head_dim: int | None = None
         # -1 until built; persistent so that a state dict remembers the head dimension
         self.register_buffer("_built_head_dim", torch.tensor(-1, dtype=torch.long))
@@ -108,6 +115,8 @@ class FeatureMap(nn.Module, ABC):
     def build(self, head_dim: int, *, generator: torch.Generator | None = None) -> None:
         """Complete the map for head dimension ``head_dim`` and make the first draw."""
         check_positive_int("head_dim", head_dim)
+        if not self.built:  # the draws are about num_features x head_dim values (a projection matrix)
+            check_budget("num_features", self.num_features, head_dim, "head_dim")
         if self.built:
             if head_dim != self.head_dim:
                 raise InputError(f"head_dim: {self.name!r} was built for d = {self.head_dim}, got d = {head_dim}")
@@ -248,9 +257,7 @@ class FeatureMap(nn.Module, ABC):
         """
         if self.kernel is None:
             raise InputError(f"{self.name!r}: the map declares no target kernel (kernel = None)")
-        from ..registry import get_registry
-
-        return get_registry().kernel(self.kernel)()
+        return resolve_class(self.kernel, "kernel")()
 
     def exact_kernel(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The exact target :math:`K(x_i, y_j)`, ``[..., N, M]``, for the map's current

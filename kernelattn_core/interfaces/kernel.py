@@ -87,6 +87,19 @@ class Kernel(ABC):
     def _evaluate(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Compute ``[..., N, M]`` kernel values for validated inputs."""
 
+    def masked_matrix(self, q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        """The kernel matrix ``[..., N, M]`` with every pair outside ``allowed`` set to 0.
+
+        ``allowed`` (bool, broadcastable to ``[..., N, M]``) marks the pairs that may
+        interact (causal and padding masks). Disallowed pairs are *replaced*, never
+        multiplied by zero, so whatever a padded or future key holds (NaN, inf, a value
+        outside the kernel's domain) never reaches an allowed entry. Dot-product kernels
+        also check their domain on the allowed pairs only.
+        """
+        if allowed is None:
+            return self(q, k)
+        return self(q, k).masked_fill(~allowed, 0.0)
+
     def log_evaluate(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
         """:math:`\\log K(q_i, k_j)` when it is cheap and stable to compute, else ``None``.
 
@@ -147,6 +160,16 @@ class DotProductKernel(Kernel):
         t = q @ k.transpose(-1, -2)  # [..., N, M]
         self.check_domain(t)
         return self.f(t)
+
+    def masked_matrix(self, q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        """See :meth:`Kernel.masked_matrix`; :math:`t = \\langle q, k\\rangle` is set to 0 at
+        disallowed pairs before the domain check and :math:`f`."""
+        if allowed is None:
+            return self(q, k)
+        self(q[..., :0, :], k[..., :0, :])  # argument checks only (no pair)
+        t = (q @ k.transpose(-1, -2)).masked_fill(~allowed, 0.0)  # [..., N, M]
+        self.check_domain(t)
+        return self.f(t).masked_fill(~allowed, 0.0)
 
 
 class ShiftInvariantKernel(Kernel):

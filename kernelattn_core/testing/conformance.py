@@ -13,6 +13,8 @@ checked against behaviour (a class flagged positive never yields a non-positive
 feature), half precision (float16 and bfloat16 attention finite and close to float32), and
 every declared claim run by the verification framework at the level
 given by ``pytest --kernelattn-level quick|full`` (quick by default).
+:func:`fuzz_tests` adds the property-based reliability suite
+(:mod:`kernelattn_core.testing.fuzz`).
 
 :func:`conformance_cases` gives the same checks as plain callables for use outside
 pytest.
@@ -354,4 +356,15 @@ def conformance_tests(*names: str, claims: bool = True) -> Callable[..., None]:
     return test_conformance
 
 
-__all__ = ["Case", "conformance_cases", "conformance_tests"]
+def fuzz_tests(*names: str, properties: tuple[str, ...] = ()) -> Callable[..., None]:
+    """The reliability fuzz suite (:mod:`kernelattn_core.testing.fuzz`) for the named
+    plugins or classes: a plugin adds ``test_fuzz = fuzz_tests("myplugin")`` beside
+    ``test_conformance`` and its classes are fuzzed exactly as the core's are (masks with
+    non-finite padding, causal prefix invariance, dtypes up to scaled norm 10, empty
+    shapes, replica agreement, the bad-input catalogue). Needs ``hypothesis``."""
+    from .fuzz import fuzz_tests as _fuzz_tests
+
+    return _fuzz_tests(*names, properties=properties)
+
+
+__all__ = ["Case", "conformance_cases", "conformance_tests", "fuzz_tests"]

@@ -3,3 +3,9 @@
 from kernelattn_core.testing import conformance_tests
 
 test_conformance = conformance_tests("example")
+
+# the reliability fuzz suite (masks with non-finite padding, causality, dtypes, empty
+# shapes, replicas, bad inputs), exactly as the core fuzzes its own classes
+from kernelattn_core.testing import fuzz_tests  # noqa: E402
+
+test_fuzz = fuzz_tests("example")

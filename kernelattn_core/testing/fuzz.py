@@ -1,0 +1,663 @@
+"""Property-based reliability fuzzing of every registered estimator, feature map and kernel.
+
+Each property is checked with `hypothesis <https://hypothesis.readthedocs.io>`_ (a test
+dependency, imported lazily) over random shapes, dtypes, input norms and corruption
+patterns:
+
+``causal_prefix_finite`` / ``causal_prefix_non_finite``
+    With ``causal=True``, changing positions ``>= t`` (to other finite values, or to
+    NaN / ``inf`` / ``-inf`` in ``q``, ``k`` or ``v``) leaves rows ``< t`` unchanged.
+``padding_non_finite``
+    Whatever a padded key or value holds (NaN, ``inf``, huge values), every row equals
+    the output with other padded contents, with and without ``causal``.
+``normalizer_causal``
+    Every feature map with every registered normaliser (each ``stats`` choice
+    included) either keeps causal prefix invariance or refuses ``causal=True`` with an
+    :class:`~kernelattn_core.errors.InputError`, in training and eval mode.
+``running_stats``
+    A training batch whose keys are all padded (and hold NaN) leaves the module's eval
+    outputs unchanged and finite (data-adapted maps must skip it).
+``finite_at_norm``
+    float32, float16 and bfloat16 inputs of scaled norm up to 10 give finite outputs and
+    finite gradients, or a :class:`~kernelattn_core.errors.DomainError` naming the bound.
+``empty_shapes``
+    ``B = 0``, ``N = 0`` or ``M = 0`` give an empty output of shape ``[B, H, N, dv]``.
+``replica_agreement``
+    Two estimators built alike (the same ``seed``; or ``seed=None`` after the same
+    ``torch.manual_seed``) give identical outputs over several training steps; every
+    random estimator accepts ``seed``.
+``bad_inputs``
+    The catalogue :data:`BAD_INPUTS` (more than 40 kinds): each is answered by an
+    :class:`~kernelattn_core.errors.InputError` whose message names the argument.
+
+A failure message starts with ``<name>: <property>:``. The CI profile (``kernelattn-ci``)
+is derandomised, so a run is reproducible; set ``KERNELATTN_FUZZ_EXAMPLES`` to explore
+more examples locally.
+
+Plugins get the same suite with::
+
+    from kernelattn_core.testing import fuzz_tests
+
+    test_fuzz = fuzz_tests("myplugin")
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import DomainError, InputError
+from ..registry import Entry, Registry, get_registry
+
+PROFILE = "kernelattn-ci"
+NON_FINITE = (float("nan"), float("inf"), -float("inf"))
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _hypothesis() -> Any:
+    try:
+        import hypothesis
+    except ImportError as exc:  # pragma: no cover - hypothesis is in the test extra
+        raise ImportError("the kernelattn fuzz suite needs hypothesis (pip install 'kernelattn-core[test]')") from exc
+    return hypothesis
+
+
+def register_profile() -> None:
+    """Register the derandomised CI profile ``kernelattn-ci`` (fixed examples, no
+    database, no deadline) and load it unless another profile was chosen."""
+    hyp = _hypothesis()
+    settings, hc = hyp.settings, hyp.HealthCheck
+    settings.register_profile(
+        PROFILE,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        max_examples=int(os.environ.get("KERNELATTN_FUZZ_EXAMPLES", "4")),
+        print_blob=True,
+        report_multiple_bugs=False,  # one failure per property, raised as is (names class and property)
+        phases=(hyp.Phase.explicit, hyp.Phase.reuse, hyp.Phase.generate),  # no shrinking: bounded CI time
+        suppress_health_check=[hc.too_slow, hc.data_too_large, hc.filter_too_much],
+    )
+    if settings._current_profile in (None, "default"):  # type: ignore[attr-defined]
+        settings.load_profile(PROFILE)
+
+
+@dataclass(frozen=True)
+class FuzzCase:
+    """One property of one registered name."""
+
+    target: str
+    prop: str
+    run: Callable[[], None]
+
+    @property
+    def id(self) -> str:
+        return f"{self.target}-{self.prop}"
+
+
+class PropertyFailure(AssertionError):
+    """A fuzz property failed; the message names the class and the property."""
+
+
+# --------------------------------------------------------------------------- building
+def _accepts(entry: Entry, option: str) -> bool:
+    if entry.kind == "feature_map":
+        return True  # wrapped in FeatureMapAttention, which takes seed, redraw_every, chunk_size
+    if entry.kind == "kernel":
+        return False
+    params = inspect.signature(entry.cls.__init__).parameters
+    return option in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _random(entry: Entry) -> bool:
+    return entry.kind != "kernel" and bool(getattr(entry.cls, "random", False))
+
+
+def make(entry: Entry, use_seed: int | None = 0, **extra: Any) -> Any:
+    """The estimator of ``entry`` (through :func:`~kernelattn_core.create`) with a small
+    budget and ``seed=use_seed`` when it takes one; ``extra`` options override."""
+    from ..api import create
+
+    opts: dict[str, Any] = {}
+    if getattr(entry.cls, "has_budget", False) and entry.kind != "kernel":
+        opts["num_features"] = 16
+    if use_seed is not None and _random(entry) and _accepts(entry, "seed"):
+        opts["seed"] = use_seed
+    opts.update(extra)
+    torch.manual_seed(0 if use_seed is None else use_seed)
+    return create(entry.name, **opts)
+
+
+def _base_call(hyp: Any, name: str, prop: str, est: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The unperturbed call of a property; an example whose head dimension the class
+    refuses by design (FastFood needs a power of two) is rejected, any other error fails."""
+    try:
+        return est(*args, **kwargs)
+    except InputError as exc:
+        if "head_dim" in str(exc):
+            hyp.reject()
+        raise _fail(name, prop, f"unperturbed call raised InputError: {exc}") from exc
+    except Exception as exc:
+        raise _fail(name, prop, f"unperturbed call raised {type(exc).__name__}: {exc}") from exc
+
+
+def _supports_causal(est: Any) -> bool:
+    return bool(getattr(est, "supports_causal", True))
+
+
+def _tensors(seed: int, b: int, h: int, n: int, m: int, d: int, dv: int, norm: float, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    """``q, k [.., d]`` whose rows have scaled norm ``norm`` (norm ``norm * d**0.25`` before
+    the :math:`d^{-1/4}` scaling) and ``v [.., dv]``."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rows(*shape: int) -> torch.Tensor:
+        x = torch.randn(*shape, generator=g, dtype=torch.float64)
+        return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12) * norm * d**0.25
+
+    q, k = rows(b, h, n, d), rows(b, h, m, d)
+    v = torch.randn(b, h, m, dv, generator=g, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _fail(name: str, prop: str, message: str) -> PropertyFailure:
+    return PropertyFailure(f"{name}: {prop}: {message}")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    return bool(torch.allclose(a.double(), b.double(), rtol=tol, atol=tol, equal_nan=True))
+
+
+# --------------------------------------------------------------------------- properties
+def _causal_prefix(entry: Entry, non_finite: bool) -> Callable[[], None]:
+    hyp = _hypothesis()
+    st = hyp.strategies
+    prop = "causal_prefix_non_finite" if non_finite else "causal_prefix_finite"
+
+    @hyp.settings(deadline=None)
+    @hyp.given(
+        seed=st.integers(0, 2**16),
+        n=st.integers(2, 80),
+        d=st.integers(1, 6),
+        where=st.sampled_from(("q", "k", "v")),
+        bad=st.sampled_from(NON_FINITE) if non_finite else st.sampled_from((3.0, 100.0)),
+        data=st.data(),
+    )
+    def check(seed: int, n: int, d: int, where: str, bad: float, data: Any) -> None:
+        t = data.draw(st.integers(1, n - 1), label="t")
+        est = make(entry).double().eval()
+        if not _supports_causal(est):
+            return
+        q, k, v = _tensors(seed, 1, 2, n, n, d, 3, 0.5, torch.float64)
+        q[:, :, t:] = 0.0  # later rows see later keys through <q, k> = 0: inside every kernel's domain
+        with torch.no_grad():
+            base = _base_call(hyp, entry.name, prop, est, q, k, v, causal=True)
+            x = {"q": q, "k": k, "v": v}[where].clone()
+            if non_finite:
+                x[:, :, t:] = bad
+            else:
+                # q stays small (later rows' own pairs in every kernel's domain); k and v may be large
+                size = 0.05 if where == "q" else bad
+                noise = torch.randn(x[:, :, t:].shape, generator=torch.Generator().manual_seed(seed + 1), dtype=x.dtype)
+                x[:, :, t:] += size * noise
+            args = {"q": q, "k": k, "v": v, where: x}
+            try:
+                out = est(args["q"], args["k"], args["v"], causal=True)
+            except Exception as exc:
+                raise _fail(
+                    entry.name, prop, f"{where}[{t}:] = {bad} (later positions) raised {type(exc).__name__}: {exc}"
+                ) from exc
+        gap = (out[:, :, :t] - base[:, :, :t]).abs().nan_to_num(float("inf")).max()
+        if not _close(out[:, :, :t], base[:, :, :t], 1e-7):
+            raise _fail(entry.name, prop, f"{where}[{t}:] = {bad} changed rows < {t} (N = {n}) by {float(gap):.3g}")
+
+    return check
+
+
+def _padding(entry: Entry) -> Callable[[], None]:
+    hyp = _hypothesis()
+    st = hyp.strategies
+    prop = "padding_non_finite"
+
+    @hyp.settings(deadline=None)
+    @hyp.given(
+        seed=st.integers(0, 2**16),
+        n=st.integers(1, 40),
+        d=st.integers(1, 6),
+        bad=st.sampled_from((*NON_FINITE, 1e4)),
+        where=st.sampled_from(("k", "v", "kv")),
+        causal=st.booleans(),
+    )
+    def check(seed: int, n: int, d: int, bad: float, where: str, causal: bool) -> None:
+        est = make(entry).double().eval()
+        causal = causal and _supports_causal(est)
+        m = n if causal else n + 3
+        q, k, v = _tensors(seed, 2, 2, n, m, d, 3, 0.5, torch.float64)
+        g = torch.Generator().manual_seed(seed + 7)
+        mask = torch.rand(2, m, generator=g) < 0.4
+        mask[:, 0] = False  # every sequence keeps a key
+        pad = mask[:, None, :, None]
+        with torch.no_grad():
+            base = _base_call(hyp, entry.name, prop, est, q, k, v, causal=causal, key_padding_mask=mask)
+            k2 = k.masked_fill(pad, bad) if "k" in where else k
+            v2 = v.masked_fill(pad, bad) if "v" in where else v
+            try:
+                out = est(q, k2, v2, causal=causal, key_padding_mask=mask)
+            except Exception as exc:
+                raise _fail(
+                    entry.name, prop, f"padded {where} = {bad} (causal={causal}) raised {type(exc).__name__}: {exc}"
+                ) from exc
+        if not bool(torch.isfinite(out).all()) and bool(torch.isfinite(base).all()):
+            rows = int((~torch.isfinite(out)).any(-1).sum())
+            raise _fail(entry.name, prop, f"padded {where} = {bad} (causal={causal}) made {rows} valid rows non-finite")
+        if not _close(out, base, 1e-7):
+            gap = float((out - base).abs().max())
+            raise _fail(entry.name, prop, f"padded {where} = {bad} (causal={causal}) changed the output by {gap:.3g}")
+
+    return check
+
+
+def _running_stats(entry: Entry) -> Callable[[], None]:
+    prop = "running_stats"
+
+    def check() -> None:
+        q, k, v = _tensors(3, 2, 2, 6, 6, 4, 3, 0.5, torch.float32)
+        est, twin = make(entry).train(), make(entry).train()
+        mask = torch.ones(2, 6, dtype=torch.bool)
+        with torch.no_grad():
+            for module in (est, twin):  # both see one ordinary training batch
+                module(q, k, v)
+            try:
+                est(q, k.masked_fill(mask[:, None, :, None], float("nan")), v, key_padding_mask=mask)
+            except InputError:
+                pass  # refusing an all-padded batch with a clear error is allowed
+            except Exception as exc:
+                raise _fail(
+                    entry.name, prop, f"an all-padded training batch raised {type(exc).__name__}: {exc}"
+                ) from exc
+            est.eval()
+            twin.eval()
+            out, ref = est(q, k, v), twin(q, k, v)
+        if not bool(torch.isfinite(out).all()):
+            raise _fail(entry.name, prop, "after one all-padded (NaN) training batch, eval outputs are non-finite")
+        # estimators that draw afresh on every training call (sampling) legitimately differ
+        # after an extra training call; feature maps redraw only on schedule (never here)
+        redraws_each_call = entry.kind == "estimator" and _random(entry) and not _accepts(entry, "redraw_every")
+        if not redraws_each_call and not _close(out, ref, 1e-5):
+            raise _fail(entry.name, prop, "an all-padded training batch changed the running statistics")
+
+    return check
+
+
+def _finite_at_norm(entry: Entry) -> Callable[[], None]:
+    hyp = _hypothesis()
+    st = hyp.strategies
+    prop = "finite_at_norm"
+
+    @hyp.settings(deadline=None)
+    @hyp.given(
+        seed=st.integers(0, 2**16),
+        n=st.integers(1, 24),
+        d=st.integers(1, 8),
+        norm=st.sampled_from((0.5, 3.0, 10.0)) | st.floats(0.1, 10.0),
+        dtype=st.sampled_from(DTYPES),
+        causal=st.booleans(),
+    )
+    def check(seed: int, n: int, d: int, norm: float, dtype: torch.dtype, causal: bool) -> None:
+        est = make(entry).eval()
+        causal = causal and _supports_causal(est)
+        q, k, v = _tensors(seed, 1, 2, n, n, d, 3, norm, dtype)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        what = f"{str(dtype).replace('torch.', '')}, scaled norm {norm:.3g}, d = {d}, causal={causal}"
+        try:
+            out = est(q, k, v, causal=causal)
+        except DomainError:
+            return  # a documented bound (the message names it; checked by the kernels' own tests)
+        except InputError as exc:
+            if "head_dim" in str(exc):  # a head dimension the class refuses by design
+                hyp.reject()
+            raise _fail(entry.name, prop, f"{what}: raised InputError: {exc}") from exc
+        except Exception as exc:
+            raise _fail(entry.name, prop, f"{what}: raised {type(exc).__name__}: {exc}") from exc
+        if not bool(torch.isfinite(out).all()):
+            raise _fail(entry.name, prop, f"{what}: non-finite output")
+        out.float().square().mean().backward()
+        for arg, t in (("q", q), ("k", k), ("v", v)):
+            if t.grad is not None and not bool(torch.isfinite(t.grad).all()):
+                raise _fail(entry.name, prop, f"{what}: non-finite {arg}.grad")
+
+    return check
+
+
+def _empty_shapes(entry: Entry) -> Callable[[], None]:
+    prop = "empty_shapes"
+
+    def check() -> None:
+        est = make(entry).eval()
+        for b, n, m, causal in ((0, 3, 3, False), (2, 0, 3, False), (2, 3, 0, False), (2, 0, 0, True)):
+            if causal and not _supports_causal(est):
+                continue
+            q = torch.randn(b, 2, n, 4, requires_grad=True)
+            k = torch.randn(b, 2, m, 4, requires_grad=True)
+            v = torch.randn(b, 2, m, 3, requires_grad=True)
+            try:
+                out = est(q, k, v, causal=causal)
+                out.sum().backward()
+            except Exception as exc:
+                raise _fail(entry.name, prop, f"B={b}, N={n}, M={m}: raised {type(exc).__name__}: {exc}") from exc
+            if tuple(out.shape) != (b, 2, n, 3):
+                raise _fail(entry.name, prop, f"B={b}, N={n}, M={m}: shape {tuple(out.shape)}, not {(b, 2, n, 3)}")
+
+    return check
+
+
+def _replica_agreement(entry: Entry) -> Callable[[], None]:
+    prop = "replica_agreement"
+
+    def check() -> None:
+        if not _random(entry):
+            return
+        if not _accepts(entry, "seed"):
+            raise _fail(entry.name, prop, "a random estimator must take a seed option")
+        extra = {"redraw_every": 1} if _accepts(entry, "redraw_every") else {}
+        q, k, v = _tensors(5, 1, 2, 7, 7, 4, 3, 0.5, torch.float32)
+        for seed in (11, None):
+            torch.manual_seed(3)
+            a = make(entry, use_seed=seed, **extra).train()
+            torch.manual_seed(3)
+            b = make(entry, use_seed=seed, **extra).train()
+            for step in range(3):
+                torch.manual_seed(100 + step)  # the global generator moves between replicas' steps
+                out_a = a(q, k, v)
+                torch.manual_seed(200 + step)
+                out_b = b(q, k, v)
+                if not torch.equal(out_a, out_b):
+                    gap = float((out_a - out_b).abs().max())
+                    raise _fail(entry.name, prop, f"seed={seed}: replicas differ by {gap:.3g} at training step {step}")
+
+    return check
+
+
+def _normalizer_variants(registry: Registry) -> list[tuple[str, Any]]:
+    """Every registered normaliser with default options, plus each ``stats`` choice of
+    those that take one (batch statistics are where causal leaks hide)."""
+    out = []
+    for entry in registry.entries("normalizer"):
+        out.append((entry.name, {}))
+        params = inspect.signature(entry.cls.__init__).parameters
+        if "stats" in params:
+            out += [(entry.name, {"stats": choice}) for choice in ("batch", "token", "running")]
+    return out
+
+
+def _normalizer_causal(entry: Entry) -> Callable[[], None]:
+    prop = "normalizer_causal"
+
+    def check() -> None:
+        if entry.kind != "feature_map":
+            return
+        from ..builtins.estimators import FeatureMapAttention
+
+        registry = get_registry()
+        q, k, v = _tensors(21, 2, 2, 12, 12, 4, 3, 0.5, torch.float64)
+        t = 5
+        k2, v2 = k.clone(), v.clone()
+        k2[:, :, t:] += 3.0 * torch.randn(k2[:, :, t:].shape, generator=torch.Generator().manual_seed(1), dtype=k.dtype)
+        v2[:, :, t:] -= 5.0
+        problems = []
+        for norm_name, options in _normalizer_variants(registry):
+            label = f"{norm_name}({', '.join(f'{a}={b!r}' for a, b in options.items())})"
+            try:
+                norm = registry.normalizer(norm_name)(**options)
+            except InputError:
+                continue  # a choice this normaliser does not have
+
+            def fresh(training: bool, norm: Any = norm) -> Any:
+                # a fresh twin per call: a training call may update statistics for *later* calls
+                torch.manual_seed(0)
+                return (
+                    FeatureMapAttention(entry.name, copy.deepcopy(norm), num_features=16, seed=0)
+                    .double()
+                    .train(training)
+                )
+
+            for training in (False, True):
+                try:
+                    with torch.no_grad():
+                        base = fresh(training)(q, k, v, causal=True)
+                        out = fresh(training)(q, k2, v2, causal=True)
+                except InputError:
+                    continue  # refusing causal mode with a clear error is allowed
+                except Exception as exc:
+                    problems.append(f"{label}, training={training}: raised {type(exc).__name__}: {exc}")
+                    continue
+                if not _close(out[:, :, :t], base[:, :, :t], 1e-7):
+                    gap = float((out[:, :, :t] - base[:, :, :t]).abs().nan_to_num(float("inf")).max())
+                    problems.append(f"{label}, training={training}: later tokens changed earlier rows by {gap:.3g}")
+        if problems:
+            raise _fail(entry.name, prop, "normaliser leaks the future:\n" + "\n".join(problems))
+
+    return check
+
+
+# --------------------------------------------------------------------------- the bad-input catalogue
+def _qkv(b: int = 2, h: int = 2, n: int = 5, m: int = 5, d: int = 4, dv: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(b, h, n, d, generator=g) * 0.3,
+        torch.randn(b, h, m, d, generator=g) * 0.3,
+        torch.randn(b, h, m, dv, generator=g),
+    ]
+
+
+def _call(**change: Any) -> Callable[[Any], Any]:
+    """A call of a built estimator with some arguments replaced."""
+
+    def run(est: Any) -> Any:
+        q, k, v = _qkv()
+        args: dict[str, Any] = {"q": q, "k": k, "v": v}
+        kwargs: dict[str, Any] = {}
+        for key, value in change.items():
+            value = value(q, k, v) if callable(value) else value
+            (args if key in ("q", "k", "v") else kwargs)[key] = value
+        return est(args["q"], args["k"], args["v"], **kwargs)
+
+    return run
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """One kind of bad input: what is passed, and the argument the error must name."""
+
+    kind: str
+    argument: str
+    options: dict[str, Any] | None = None  # bad construction options (None: a good construction)
+    call: Callable[[Any], Any] | None = None  # a bad call of a well-built estimator
+    needs: str = ""  # "budget", "random", "feature_map": only classes with that capability
+    may_work: bool = False  # a class may also handle it correctly (then it is no bad input for it)
+
+
+def _meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.empty(q.shape, device="meta")
+
+
+def _twice(est: Any) -> Any:
+    q, k, v = _qkv(d=4)
+    est(q, k, v)
+    q, k, v = _qkv(d=6)
+    return est(q, k, v)
+
+
+#: More than 40 kinds of bad input; each must raise InputError naming ``argument``.
+BAD_INPUTS: tuple[BadInput, ...] = (
+    BadInput("scale-nan", "scale", {"scale": float("nan")}),
+    BadInput("scale-inf", "scale", {"scale": float("inf")}),
+    BadInput("scale-negative", "scale", {"scale": -1.0}),
+    BadInput("scale-zero", "scale", {"scale": 0.0}),
+    BadInput("scale-string", "scale", {"scale": "1"}),
+    BadInput("scale-bool", "scale", {"scale": True}),
+    BadInput("num-features-zero", "num_features", {"num_features": 0}, needs="budget"),
+    BadInput("num-features-negative", "num_features", {"num_features": -3}, needs="budget"),
+    BadInput("num-features-float", "num_features", {"num_features": 2.5}, needs="budget"),
+    BadInput("num-features-bool", "num_features", {"num_features": True}, needs="budget"),
+    BadInput("num-features-huge", "num_features", {"num_features": 10**9}, needs="budget"),
+    BadInput("unknown-option", "definitely_not_an_option", {"definitely_not_an_option": 1}),
+    BadInput("seed-string", "seed", {"seed": "0"}, needs="random"),
+    BadInput("seed-float", "seed", {"seed": 0.5}, needs="random"),
+    BadInput("redraw-every-negative", "redraw_every", {"redraw_every": -1}, needs="feature_map"),
+    BadInput("chunk-size-zero", "chunk_size", {"chunk_size": 0}, needs="feature_map"),
+    BadInput("q-not-a-tensor", "q", call=_call(q=lambda q, k, v: q.tolist())),
+    BadInput("k-not-a-tensor", "k", call=_call(k=lambda q, k, v: k.tolist())),
+    BadInput("v-not-a-tensor", "v", call=_call(v=lambda q, k, v: v.numpy())),
+    BadInput("q-integer-dtype", "q", call=_call(q=lambda q, k, v: q.long())),
+    BadInput("q-bool-dtype", "q", call=_call(q=lambda q, k, v: q > 0)),
+    BadInput("q-complex-dtype", "q", call=_call(q=lambda q, k, v: q.to(torch.complex64))),
+    BadInput("v-integer-dtype", "v", call=_call(v=lambda q, k, v: v.int())),
+    BadInput("q-3d", "q", call=_call(q=lambda q, k, v: q[0])),
+    BadInput("q-scalar", "q", call=_call(q=lambda q, k, v: q.sum())),
+    BadInput("k-5d", "k", call=_call(k=lambda q, k, v: k[None])),
+    BadInput("v-2d", "v", call=_call(v=lambda q, k, v: v[0, 0])),
+    BadInput("k-dtype-differs", "k", call=_call(k=lambda q, k, v: k.double())),
+    BadInput("v-dtype-differs", "v", call=_call(v=lambda q, k, v: v.half())),
+    BadInput("k-head-dim-differs", "k", call=_call(k=lambda q, k, v: k[..., :3])),
+    BadInput("k-batch-differs", "k", call=_call(k=lambda q, k, v: k[:1])),
+    BadInput("k-heads-differ", "k", call=_call(k=lambda q, k, v: k[:, :1])),
+    BadInput("v-length-differs", "v", call=_call(v=lambda q, k, v: v[:, :, :3])),
+    BadInput("head-dim-zero", "q", call=_call(q=lambda q, k, v: q[..., :0], k=lambda q, k, v: k[..., :0])),
+    BadInput("causal-string", "causal", call=_call(causal="yes")),
+    BadInput("causal-int", "causal", call=_call(causal=1)),
+    BadInput(
+        "causal-n-differs-from-m",
+        "causal",
+        call=_call(causal=True, k=lambda q, k, v: k[:, :, :3], v=lambda q, k, v: v[:, :, :3]),
+    ),
+    BadInput("mask-float", "key_padding_mask", call=_call(key_padding_mask=torch.zeros(2, 5))),
+    BadInput("mask-int", "key_padding_mask", call=_call(key_padding_mask=torch.zeros(2, 5, dtype=torch.long))),
+    BadInput("mask-wrong-shape", "key_padding_mask", call=_call(key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))),
+    BadInput("mask-1d", "key_padding_mask", call=_call(key_padding_mask=torch.zeros(5, dtype=torch.bool))),
+    BadInput("mask-list", "key_padding_mask", call=_call(key_padding_mask=[[False] * 5] * 2)),
+    BadInput("mask-wrong-batch", "key_padding_mask", call=_call(key_padding_mask=torch.zeros(3, 5, dtype=torch.bool))),
+    BadInput("q-meta-device", "q", call=_call(q=_meta, k=_meta, v=_meta)),
+    # a class with d-dependent state (a built map) must refuse a new d; others may just work
+    BadInput("head-dim-changes-after-build", "d", call=_twice, may_work=True),
+)
+
+
+def _applies(bad: BadInput, entry: Entry) -> bool:
+    if bad.needs == "budget":
+        return bool(getattr(entry.cls, "has_budget", False)) and entry.kind != "kernel"
+    if bad.needs == "random":
+        return _random(entry)
+    if bad.needs == "feature_map":
+        return entry.kind == "feature_map"
+    return True
+
+
+def _names_argument(message: str, argument: str) -> bool:
+    if argument == "d":  # a changed head dimension: the message must say which one
+        return any(w in message for w in ("head_dim", "d = ", "last dimension", "head dimension"))
+    return argument in message
+
+
+def check_bad_input(entry: Entry, bad: BadInput) -> str | None:
+    """``None`` when ``bad`` is answered by an InputError naming its argument, else what
+    happened instead (``silent``: no error; ``obscure``: another error or a message
+    that does not name the argument)."""
+    try:
+        if bad.options is not None:
+            est = make(entry, **bad.options)
+            if bad.call is None:
+                q, k, v = _qkv()
+                est(q, k, v)  # an option may only be checked on first use
+        else:
+            est = make(entry).eval()
+        if bad.call is not None:
+            with torch.no_grad():
+                out = bad.call(est)
+            if bad.may_work and isinstance(out, torch.Tensor) and bool(torch.isfinite(out).all()):
+                return None
+    except InputError as exc:
+        if _names_argument(str(exc), bad.argument):
+            return None
+        return f"obscure: InputError does not name {bad.argument!r}: {exc}"
+    except Exception as exc:
+        return f"obscure: {type(exc).__name__} instead of InputError naming {bad.argument!r}: {exc}"
+    return f"silent: accepted (expected an InputError naming {bad.argument!r})"
+
+
+def _bad_inputs(entry: Entry) -> Callable[[], None]:
+    def check() -> None:
+        problems = [
+            f"{bad.kind}: {why}"
+            for bad in BAD_INPUTS
+            if _applies(bad, entry) and (why := check_bad_input(entry, bad)) is not None
+        ]
+        if problems:
+            raise _fail(
+                entry.name, "bad_inputs", f"{len(problems)} kinds not answered clearly:\n" + "\n".join(problems)
+            )
+
+    return check
+
+
+# --------------------------------------------------------------------------- collection
+PROPERTIES: dict[str, Callable[[Entry], Callable[[], None]]] = {
+    "causal_prefix_finite": lambda e: _causal_prefix(e, non_finite=False),
+    "causal_prefix_non_finite": lambda e: _causal_prefix(e, non_finite=True),
+    "padding_non_finite": _padding,
+    "running_stats": _running_stats,
+    "normalizer_causal": _normalizer_causal,
+    "finite_at_norm": _finite_at_norm,
+    "empty_shapes": _empty_shapes,
+    "replica_agreement": _replica_agreement,
+    "bad_inputs": _bad_inputs,
+}
+
+
+def attention_entries(*names: str, registry: Registry | None = None) -> list[Entry]:
+    """Every registered estimator, feature map and kernel (the names :func:`~kernelattn_core.create`
+    builds), or those of the given plugins / class names."""
+    registry = registry or get_registry()
+    if names:
+        from ..verify import select
+
+        entries = select(list(names), registry)
+    else:
+        entries = registry.entries()
+    return [e for e in entries if e.kind in ("estimator", "feature_map", "kernel")]
+
+
+def fuzz_cases(*names: str, registry: Registry | None = None, properties: tuple[str, ...] = ()) -> list[FuzzCase]:
+    """One case per (name, property); ``properties`` restricts to some of :data:`PROPERTIES`."""
+    chosen = properties or tuple(PROPERTIES)
+    return [FuzzCase(e.name, p, _deferred(e, p)) for e in attention_entries(*names, registry=registry) for p in chosen]
+
+
+def _deferred(entry: Entry, prop: str) -> Callable[[], None]:
+    def run() -> None:
+        register_profile()
+        PROPERTIES[prop](entry)()
+
+    return run
+
+
+def fuzz_tests(*names: str, properties: tuple[str, ...] = ()) -> Callable[..., None]:
+    """A pytest test function parametrised over :func:`fuzz_cases` (the conformance-kit
+    hook: ``test_fuzz = fuzz_tests("myplugin")`` in a plugin's tests)."""
+    import pytest
+
+    cases = fuzz_cases(*names, properties=properties)
+
+    @pytest.mark.parametrize("case", cases, ids=[c.id for c in cases])
+    def test_fuzz(case: FuzzCase) -> None:
+        case.run()
+
+    return test_fuzz
+
+
+__all__ = ["BAD_INPUTS", "PROFILE", "PROPERTIES", "BadInput", "FuzzCase", "fuzz_cases", "fuzz_tests", "make"]

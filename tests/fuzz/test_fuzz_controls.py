@@ -1,0 +1,177 @@
+"""Negative controls of the fuzz suite: toy estimators with one defect each must fail
+exactly the property that targets that defect, with a message naming the estimator and
+the property; a correct estimator passes them all."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+import torch
+
+import kernelattn_core as ka
+from kernelattn_core.testing.fuzz import PropertyFailure, fuzz_cases
+
+
+def _softmax(q, k, v, causal, mask, *, multiply: bool, causal_ok: bool = True, stable: bool = True):  # type: ignore[no-untyped-def]
+    logits = q @ k.transpose(-1, -2)  # [B, H, N, M]
+    allowed = torch.ones_like(logits, dtype=torch.bool)
+    if causal and causal_ok:
+        allowed = allowed & torch.ones(logits.shape[-2:], dtype=torch.bool).tril()
+    if mask is not None:
+        allowed = allowed & ~mask[:, None, None, :]
+    if multiply:  # the defect: weights times a 0/1 mask (0 * NaN = NaN)
+        w = (logits - logits.amax(-1, keepdim=True)).exp() * allowed
+    else:
+        lg = logits.masked_fill(~allowed, float("-inf"))
+        top = lg.amax(-1, keepdim=True) if stable else torch.zeros_like(lg[..., :1])
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        w = (lg - top).exp()
+    den = w.sum(-1, keepdim=True)
+
+    return (w @ v) / torch.where(den == 0, torch.ones_like(den), den)
+
+
+class Correct(ka.AttentionEstimator):
+    name: ClassVar[str] = "ctl-correct"
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        return ka.ExactAttention(backend="naive")._attend(q, k, v, causal, key_padding_mask)
+
+
+class MultipliesMask(ka.AttentionEstimator):
+    name: ClassVar[str] = "ctl-multiplies-mask"
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        return _softmax(q, k, v, causal, key_padding_mask, multiply=True)
+
+
+class LeaksFuture(ka.AttentionEstimator):
+    name: ClassVar[str] = "ctl-leaks-future"
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        return ka.ExactAttention(backend="naive")._attend(q, k, v, False, key_padding_mask)
+
+
+class Overflows(ka.AttentionEstimator):
+    name: ClassVar[str] = "ctl-overflows"
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        w = (q @ k.transpose(-1, -2)).exp() * 1e30  # no max subtraction, in the input dtype
+        return (w @ v) / w.sum(-1, keepdim=True)
+
+
+class IgnoresSeed(Correct):
+    name: ClassVar[str] = "ctl-ignores-seed"
+    random: ClassVar[bool] = True
+
+    def __init__(self, *, seed: object = None, scale: float | None = None) -> None:
+        super().__init__(scale=scale)
+        self.seed = seed  # the defect: never checked (seed="0" is accepted silently)
+
+
+class Unseeded(Correct):
+    name: ClassVar[str] = "ctl-unseeded"
+    random: ClassVar[bool] = True
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        return super()._attend(q, k, v, causal, key_padding_mask) + 0.1 * torch.randn(())
+
+
+class SequenceMeanNormalizer(ka.Normalizer):
+    """Centres keys by their mean over the whole sequence: later keys move earlier rows."""
+
+    name: ClassVar[str] = "ctl-sequence-mean"
+
+    def pre(self, q, k, *, key_padding_mask=None):  # type: ignore[no-untyped-def]
+        return q, k - k.mean(-2, keepdim=True)
+
+
+class Plugin:
+    @ka.hookimpl
+    def kernelattn_estimators(self):  # type: ignore[no-untyped-def]
+        return [Correct, MultipliesMask, LeaksFuture, Overflows, IgnoresSeed, Unseeded]
+
+    @ka.hookimpl
+    def kernelattn_normalizers(self):  # type: ignore[no-untyped-def]
+        return [SequenceMeanNormalizer]
+
+
+@pytest.fixture
+def controls(monkeypatch: pytest.MonkeyPatch) -> ka.Registry:
+    import kernelattn_core.registry as registry_module
+
+    reg = ka.Registry(autoload=False)
+    reg.register_plugin(Plugin(), "controls")
+    monkeypatch.setattr(registry_module, "_REGISTRY", reg)
+    return reg
+
+
+def _outcome(reg: ka.Registry, name: str, prop: str) -> str | None:
+    (case,) = fuzz_cases(name, registry=reg, properties=(prop,))
+    try:
+        case.run()
+    except PropertyFailure as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize(
+    ("name", "prop"),
+    [
+        ("ctl-multiplies-mask", "padding_non_finite"),
+        ("ctl-multiplies-mask", "causal_prefix_non_finite"),
+        ("ctl-leaks-future", "causal_prefix_finite"),
+        ("ctl-overflows", "finite_at_norm"),
+        ("ctl-ignores-seed", "bad_inputs"),
+        ("ctl-unseeded", "replica_agreement"),
+    ],
+)
+def test_each_defect_fails_its_property_naming_estimator_and_property(controls, name: str, prop: str) -> None:  # type: ignore[no-untyped-def]
+    message = _outcome(controls, name, prop)
+    assert message is not None, f"{name} passed {prop} despite its defect"
+    assert message.startswith(f"{name}: {prop}:"), message
+
+
+def test_a_leaking_normalizer_fails_normalizer_causal_naming_it(controls) -> None:  # type: ignore[no-untyped-def]
+    message = _outcome(controls, "elu", "normalizer_causal")
+    assert message is not None and message.startswith("elu: normalizer_causal:"), message
+    assert "ctl-sequence-mean()" in message and "row()" not in message
+
+
+@pytest.mark.parametrize(
+    "prop",
+    [
+        "padding_non_finite",
+        "causal_prefix_finite",
+        "causal_prefix_non_finite",
+        "finite_at_norm",
+        "empty_shapes",
+        "bad_inputs",
+    ],
+)
+def test_a_correct_estimator_passes(controls, prop: str) -> None:  # type: ignore[no-untyped-def]
+    assert _outcome(controls, "ctl-correct", prop) is None
+
+
+def test_the_catalogue_has_at_least_40_kinds_each_naming_an_argument() -> None:
+    from kernelattn_core.testing.fuzz import BAD_INPUTS
+
+    assert len(BAD_INPUTS) >= 40
+    assert len({b.kind for b in BAD_INPUTS}) == len(BAD_INPUTS)
+    assert all(b.argument for b in BAD_INPUTS)
+
+
+def test_fuzz_tests_is_the_conformance_kit_hook(controls) -> None:  # type: ignore[no-untyped-def]
+    """A plugin's ``fuzz_tests("plugin")`` covers exactly that plugin's classes, with every property."""
+    from kernelattn_core.testing import fuzz_tests
+    from kernelattn_core.testing.fuzz import PROPERTIES
+
+    cases = fuzz_cases("controls", registry=controls)
+    assert {c.target for c in cases} == {e.name for e in controls.entries("estimator") if e.plugin == "controls"}
+    assert {c.prop for c in cases} == set(PROPERTIES)
+    test = fuzz_tests("controls", properties=("empty_shapes",))
+    (mark,) = [m for m in test.pytestmark if m.name == "parametrize"]
+    assert sorted(c.id for c in mark.args[1]) == sorted(
+        f"{c.target}-empty_shapes" for c in cases if c.prop == "empty_shapes"
+    )
