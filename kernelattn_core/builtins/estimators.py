@@ -145,7 +145,7 @@ class ExactAttention(AttentionEstimator):
         allowed = allowed_pairs(q.shape[-2], k.shape[-2], causal, key_padding_mask, q.device)  # [B|1, 1, N, M]
         logits = self.kernel.log_evaluate(q, k)  # [B, H, N, M] or None
         if logits is None:
-            w = self.kernel.masked_matrix(q, k, allowed)  # [B, H, N, M], 0 outside allowed
+            w = self.kernel.row_scaled_matrix(q, k, allowed)  # [B, H, N, M], 0 outside allowed
             den = w.sum(-1, keepdim=True)
         else:
             if allowed is not None:

@@ -100,6 +100,17 @@ class Kernel(ABC):
             return self(q, k)
         return self(q, k).masked_fill(~allowed, 0.0)
 
+    def row_scaled_matrix(self, q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`masked_matrix` up to a positive factor per query row, which cancels in
+        attention: :math:`K(q_i, k_j)\\,c_i`, 0 outside ``allowed``.
+
+        Exact attention of kernels without :meth:`log_evaluate` uses it. The default is
+        :meth:`masked_matrix` (:math:`c_i = 1`); a kernel whose rows can underflow as a
+        whole (so that the row sum's reciprocal overflows in the backward pass) overrides
+        it to state each row near its largest entry.
+        """
+        return self.masked_matrix(q, k, allowed)
+
     def log_evaluate(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
         """:math:`\\log K(q_i, k_j)` when it is cheap and stable to compute, else ``None``.
 
