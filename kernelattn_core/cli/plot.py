@@ -26,6 +26,7 @@ def pyplot() -> Any:
             "--plot: drawing figures needs matplotlib; install it with pip install 'kernelattn-core[plot]'"
         ) from err
     matplotlib.use("Agg", force=True)
+    matplotlib.rcParams["svg.fonttype"] = "none"  # SVG text stays text: searchable, and checkable in tests
     import matplotlib.pyplot as plt
 
     return plt
