@@ -12,6 +12,7 @@ plugin's page needs one line and lists every class.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 project = "kernelattn"
@@ -35,6 +36,8 @@ autodoc_default_options = {"members": True, "show-inheritance": True}
 exclude_patterns = ["_build", "tutorial/kernelattn-example/*.md", "tutorial/kernelattn-example/**/*.md"]
 nitpicky = False
 html_theme = "alabaster"
+# figures of ``nox -s bench`` land in docs/_static/bench (see benchmarks.rst)
+html_static_path = ["_static"] if (Path(__file__).parent / "_static").is_dir() else []
 
 
 def _plugin_api_lines(plugin: str, package: str | None) -> list[str]:
