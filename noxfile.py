@@ -61,6 +61,7 @@ def docs(session: nox.Session) -> None:
     """Build the Sphinx docs with warnings as errors."""
     install_all(session, f"{ROOT}[docs]")
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html", *session.posargs)
+    session.run("python", "docs/check_offline.py", "docs/_build/html")  # MathJax is bundled: no CDN
 
 
 @nox.session(default=False)
