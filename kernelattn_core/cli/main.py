@@ -55,6 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:  # pragma: no cover
         return 130
+    except BrokenPipeError:  # pragma: no cover - `kernelattn plugins | head`
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
     except Exception as exc:
         from ..errors import KernelAttnError
 

@@ -66,14 +66,14 @@ def _lines(
     y: str,
     band: tuple[str, str] | None = None,
     keep: Callable[[dict[str, Any]], bool] = lambda r: True,
+    styles: dict[Any, dict[str, str]] | None = None,
 ) -> int:
     """One line per value of ``group``: ``y`` against ``x``, skipping missing values; ``band``
     names the columns of a lower and upper value drawn as asymmetric error bars (quartiles)."""
     drawn = 0
     names = list(dict.fromkeys(r[group] for r in records if keep(r)))
-    styles = ("-", "--", ":", "-.")
-    markers = ("o", "s", "^", "D", "v", "P")
-    for i, name in enumerate(names):
+    styles = styles if styles is not None else line_styles(names)
+    for name in names:
         pts = sorted(
             (
                 r[x],
@@ -87,10 +87,32 @@ def _lines(
         if not pts:
             continue
         xs, ys, lo, hi = zip(*pts)
-        style = {"ls": styles[(i // 10) % len(styles)], "marker": markers[(i // 10) % len(markers)]}
-        ax.errorbar(xs, ys, yerr=(lo, hi) if band else None, ms=4, capsize=2, label=str(name), **style)
+        ax.errorbar(xs, ys, yerr=(lo, hi) if band else None, ms=4, capsize=2, label=str(name), **styles[name])
         drawn += 1
     return drawn
+
+
+def line_styles(names: Sequence[Any]) -> dict[Any, dict[str, str]]:
+    """A distinct (colour, line style, marker) per name, the same in every panel."""
+    dashes, markers = ("-", "--", ":", "-."), ("o", "s", "^", "D", "v", "P")
+    return {
+        name: {
+            "color": f"C{i % 10}",
+            "ls": dashes[(i // 10) % len(dashes)],
+            "marker": markers[(i // 10) % len(markers)],
+        }
+        for i, name in enumerate(dict.fromkeys(names))
+    }
+
+
+def _plain_ticks(ax: Any, values: Sequence[float]) -> None:
+    """Log x axis labelled at the values run (16, 64, 256 rather than 2 x 10^1)."""
+    from matplotlib.ticker import NullFormatter
+
+    ticks = sorted({v for v in values if _finite(v)})
+    if ticks:
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def compare_figure(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
@@ -100,12 +122,13 @@ def compare_figure(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
     regimes = list(dict.fromkeys(r["regime"] for r in records))
     lengths = sorted({r["seq_len"] for r in records})
     shown = regimes[:6]
+    styles = line_styles([r["estimator"] for r in records])
     fig, axes = plt.subplots(1, len(shown) + 1, figsize=(5.2 * (len(shown) + 1), 4.4), squeeze=False)
     for ax, regime in zip(axes[0], shown):
         n_max = max(r["seq_len"] for r in records if r["regime"] == regime)
         sel = [r for r in records if r["regime"] == regime and r["seq_len"] == n_max and r["budget"] is not None]
         band = ("attn_rel_error_q1", "attn_rel_error_q3")
-        _lines(ax, sel, group="estimator", x="budget", y="attn_rel_error", band=band)
+        _lines(ax, sel, group="estimator", x="budget", y="attn_rel_error", band=band, styles=styles)
         for r in records:  # estimators without a budget (exact attention aside): a horizontal line
             if (
                 r["regime"] == regime
@@ -117,24 +140,30 @@ def compare_figure(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
                 ax.axhline(r["attn_rel_error"], ls="--", lw=1, color="grey")
                 ax.annotate(r["estimator"], (0.01, r["attn_rel_error"]), xycoords=("axes fraction", "data"), fontsize=7)
         ax.set(xscale="log", yscale="log", xlabel="budget (features / samples)", ylabel="relative output error")
+        _plain_ticks(ax, [r["budget"] for r in sel])
         ax.set_title(f"{regime}, N = {n_max} (median, quartiles over seeds)", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
     ax = axes[0][-1]
     if len(lengths) > 1:
         b_max = max((r["budget"] for r in records if r["budget"] is not None), default=None)
         keep = lambda r: r["regime"] == regimes[0] and r["budget"] in (None, b_max)  # noqa: E731
-        _lines(ax, records, group="estimator", x="seq_len", y="time_ms", keep=keep)
+        _lines(ax, records, group="estimator", x="seq_len", y="time_ms", keep=keep, styles=styles)
         ax.set(xlabel="sequence length N", title=f"forward time ({regimes[0]}, budget {b_max})")
     else:
         keep = lambda r: r["regime"] == regimes[0] and r["budget"] is not None  # noqa: E731
-        _lines(ax, records, group="estimator", x="budget", y="time_ms", keep=keep)
+        _lines(ax, records, group="estimator", x="budget", y="time_ms", keep=keep, styles=styles)
         for r in records:
             if r["regime"] == regimes[0] and r["estimator"] == "exact" and _finite(r["time_ms"]):
                 ax.axhline(r["time_ms"], ls="--", color="black", lw=1, label="exact")
         ax.set(xlabel="budget", title=f"forward time ({regimes[0]}, N = {lengths[0]})")
     ax.set(xscale="log", yscale="log", ylabel="ms")
+    _plain_ticks(ax, [r["seq_len"] if len(lengths) > 1 else r["budget"] for r in records])
     ax.grid(True, which="both", alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
+    legend: dict[str, Any] = {}
+    for a in axes[0]:
+        for handle, label in zip(*a.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    handles, labels = list(legend.values()), list(legend)
     if handles:
         fig.legend(handles, labels, loc="center right", fontsize=7, frameon=False)
         fig.subplots_adjust(right=0.82)
