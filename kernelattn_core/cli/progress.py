@@ -75,6 +75,9 @@ class Progress:
                     TextColumn("{task.fields[note]}"),
                     console=Console(file=self.stream),
                     transient=True,
+                    # rows printed to a terminal go above the bar; stdout sent to a file stays there
+                    redirect_stdout=bool(getattr(sys.stdout, "isatty", lambda: False)()),
+                    redirect_stderr=False,
                 )
                 self._rich.start()
                 self._task = self._rich.add_task(self.label, total=self.total, note="")
