@@ -15,15 +15,11 @@ def add_parser(sub: Any) -> None:
     from ..registry import get_registry
 
     experiments = sorted(get_registry().experiments().items())
-    listing = "\n".join(f"  {name:<18} {exp.help}" for name, exp in experiments)
-    import argparse
-
     e = sub.add_parser(
         "experiment",
         help="run a paper experiment contributed by a plugin",
-        description=f"Paper experiments of the installed plugins:\n{listing}\n\n"
-        "Each writes a table, CSV or JSON (--format, --output FILE) and its figure (--plot FILE).",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Paper experiments of the installed plugins. Each writes a table, CSV or JSON "
+        "(--format, --output FILE) and its figure (--plot FILE).",
     )
     esub = e.add_subparsers(dest="experiment", required=True, metavar="NAME")
     for name, exp in experiments:
