@@ -59,8 +59,9 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def docs(session: nox.Session) -> None:
     """Build the Sphinx docs with warnings as errors."""
-    install_all(session, "sphinx")
+    install_all(session, f"{ROOT}[docs]")
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html", *session.posargs)
+    session.run("python", "docs/check_offline.py", "docs/_build/html")  # MathJax is bundled: no CDN
 
 
 @nox.session(default=False)
@@ -85,11 +86,19 @@ def bench(session: nox.Session) -> None:
         "--benchmark-columns=min,median,max,rounds",
         *session.posargs,
     )
+    # the figures of docs/benchmarks.rst
+    session.install(f"{ROOT}[plot]")
+    out = ROOT / "docs" / "_static" / "bench"
+    compare = ("kernelattn", "compare", "--no-progress")
+    session.run(*compare, "--plot", str(out / "compare.png"), "--output", str(out / "compare.csv"))
+    lengths = ("--seq-len", "256", "1024", "4096", "--budgets", "64", "--seeds", "0")
+    session.run(*compare, *lengths, "--plot", str(out / "time-vs-length.png"), "--output", str(out / "tl.csv"))
 
 
 @nox.session(default=False)
 def demo(session: nox.Session) -> None:
-    """Install the core and all plugins, then compare every estimator."""
-    install_all(session)
+    """Install the core (with plots and rich progress) and all plugins, then the compare demo:
+    first rows within a minute, a summary and ``compare.png`` within three (``-- --all``: full sweep)."""
+    install_all(session, f"{ROOT}[plot,cli]")
     session.run("kernelattn", "plugins")
-    session.run("kernelattn", "compare", "--seq-len", "256", *session.posargs)
+    session.run("kernelattn", "compare", "--plot", "compare.png", "--output", "compare.csv", *session.posargs)

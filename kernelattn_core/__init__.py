@@ -7,30 +7,60 @@ Public vocabulary
 :class:`Normalizer`, :class:`AttentionEstimator`.
 """
 
-from .api import create, list_plugins
-from .builtins import (
-    EluFeatureMap,
-    ExactAttention,
-    FeatureMapAttention,
-    RowNormalizer,
-    SignedRowNormalizer,
-    SoftmaxKernel,
-)
-from .engine import kernel_attention
+from typing import TYPE_CHECKING
+
 from .errors import DomainError, InputError, KernelAttnError, PluginError, PluginWarning, UnknownNameError
 from .hookspecs import hookimpl
-from .interfaces import (
-    AttentionEstimator,
-    DotProductKernel,
-    FeatureMap,
-    Kernel,
-    KernelFamily,
-    Normalizer,
-    ShiftInvariantKernel,
-)
-from .module import KernelAttention
-from .redraw import RedrawPolicy
-from .registry import Registry, get_registry, reload_plugins
+
+# Everything that needs torch is imported on first use (PEP 562), so that
+# ``kernelattn --help`` and the CLI's argument parsing answer without importing torch.
+_LAZY = {
+    "create": "api",
+    "list_plugins": "api",
+    "EluFeatureMap": "builtins",
+    "ExactAttention": "builtins",
+    "FeatureMapAttention": "builtins",
+    "RowNormalizer": "builtins",
+    "SignedRowNormalizer": "builtins",
+    "SoftmaxKernel": "builtins",
+    "kernel_attention": "engine",
+    "AttentionEstimator": "interfaces",
+    "DotProductKernel": "interfaces",
+    "FeatureMap": "interfaces",
+    "Kernel": "interfaces",
+    "KernelFamily": "interfaces",
+    "Normalizer": "interfaces",
+    "ShiftInvariantKernel": "interfaces",
+    "KernelAttention": "module",
+    "RedrawPolicy": "redraw",
+    "Registry": "registry",
+    "get_registry": "registry",
+    "reload_plugins": "registry",
+}
+
+if TYPE_CHECKING:
+    from .api import create, list_plugins
+    from .builtins import (
+        EluFeatureMap,
+        ExactAttention,
+        FeatureMapAttention,
+        RowNormalizer,
+        SignedRowNormalizer,
+        SoftmaxKernel,
+    )
+    from .engine import kernel_attention
+    from .interfaces import (
+        AttentionEstimator,
+        DotProductKernel,
+        FeatureMap,
+        Kernel,
+        KernelFamily,
+        Normalizer,
+        ShiftInvariantKernel,
+    )
+    from .module import KernelAttention
+    from .redraw import RedrawPolicy
+    from .registry import Registry, get_registry, reload_plugins
 
 __all__ = [
     "AttentionEstimator",
@@ -62,3 +92,18 @@ __all__ = [
     "list_plugins",
     "reload_plugins",
 ]
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -62,7 +62,13 @@ def list_plugins() -> list[dict[str, Any]]:
                 "distribution": info.distribution,
                 "version": info.version,
                 "classes": [
-                    {"name": e.name, "kind": e.kind, "class": f"{e.cls.__module__}.{e.cls.__qualname__}", **e.flags()}
+                    {
+                        "name": e.name,
+                        "kind": e.kind,
+                        "class": f"{e.cls.__module__}.{e.cls.__qualname__}",
+                        "aliases": list(vars(e.cls).get("aliases", ())),
+                        **e.flags(),
+                    }
                     for e in info.entries
                 ],
                 "errors": list(info.errors),

@@ -5,17 +5,21 @@ from __future__ import annotations
 import csv
 import io
 import json
+import subprocess
+import sys
 
 import pytest
 
-from kernelattn_core.cli.compare import workload
-from kernelattn_core.cli.main import main
+from kernelattn_core.cli.compare import default_estimators, quartiles, summary, workload
+from kernelattn_core.cli.main import SUBCOMMANDS, main
+
+FAST = ["--no-progress", "--min-run-time", "0.001"]
 
 
 def test_plugins_table_and_json(use_registry, capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
-    for name in ("softmax", "elu", "row", "exact", "feature-map", "toy-prf"):
+    for name in ("softmax", "elu", "row", "exact", "feature-map", "toy-prf", "aliases"):
         assert name in out
     assert main(["plugins", "--format", "json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -23,6 +27,16 @@ def test_plugins_table_and_json(use_registry, capsys) -> None:  # type: ignore[n
     assert builtins["distribution"] == "kernelattn-core"
     elu = next(c for c in builtins["classes"] if c["name"] == "elu")
     assert elu["positive"] is True and elu["random"] is False and elu["kind"] == "feature_map"
+    assert elu["aliases"] == ["linear-elu"]
+
+
+def test_plugins_table_shows_the_aliases_people_search_for(capsys) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("kernelattn_prf")
+    pytest.importorskip("kernelattn_maclaurin")
+    assert main(["plugins"]) == 0
+    rows = {line.split()[4]: line for line in capsys.readouterr().out.splitlines()[2:] if len(line.split()) > 4}
+    assert "macformer" in rows["schoenbat"]
+    assert "performer" in rows["prf"] and "favor+" in rows["prf"]
 
 
 def test_workload_regimes_have_the_declared_logit_scale() -> None:
@@ -36,35 +50,98 @@ def test_workload_regimes_have_the_declared_logit_scale() -> None:
 
 def test_compare_json_records(use_registry, capsys) -> None:  # type: ignore[no-untyped-def]
     argv = ["compare", "--estimators", "exact", "elu", "toy-prf", "--budgets", "16", "256", "--seq-len", "64"]
-    assert main([*argv, "--format", "json", "--no-progress", "--repeats", "1"]) == 0
+    assert main([*argv, "--format", "json", "--regime", "all", "--seeds", "0", "1", "2", *FAST]) == 0
     records = json.loads(capsys.readouterr().out)
     # exact and elu have no budget: one record per regime; toy-prf: one per budget and regime
     assert len(records) == 3 * (1 + 1 + 2)
-    fields = {"estimator", "regime", "budget", "kernel_rel_mse", "attn_rel_error", "time_ms", "peak_mem_mb", "error"}
+    fields = {"estimator", "regime", "budget", "target", "kernel_rel_mse", "attn_rel_error", "attn_rel_error_iqr"}
     for r in records:
-        assert fields <= set(r) and r["error"] is None
+        assert fields <= set(r) and r["error"] is None and r["seeds"] == [0, 1, 2]
+        assert r["attn_rel_error_q1"] <= r["attn_rel_error"] <= r["attn_rel_error_q3"]
+        assert r["attn_rel_error_iqr"] == pytest.approx(r["attn_rel_error_q3"] - r["attn_rel_error_q1"])
+        assert r["time_ms"] > 0 and r["target"] == "softmax"
     by = {(r["estimator"], r["regime"], r["budget"]): r for r in records}
     assert by[("exact", "gauss-1.0", None)]["attn_rel_error"] < 1e-6
     assert by[("exact", "gauss-1.0", None)]["time_vs_exact"] == 1.0
     small, large = by[("toy-prf", "gauss-1.0", 16)], by[("toy-prf", "gauss-1.0", 256)]
     assert large["kernel_rel_mse"] < small["kernel_rel_mse"]  # more features, better kernel
     assert large["attn_rel_error"] < small["attn_rel_error"]
+    assert small["attn_rel_error_iqr"] > 0  # three seeds draw three different feature sets
     assert by[("elu", "unit", None)]["kernel_rel_mse"] is None  # no target kernel
 
 
-def test_compare_csv_and_table(use_registry, capsys) -> None:  # type: ignore[no-untyped-def]
-    base = ["compare", "--estimators", "toy-prf", "--budgets", "16", "--seq-len", "32", "--regime", "unit"]
-    assert main([*base, "--format", "csv", "--no-progress", "--repeats", "1"]) == 0
-    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
-    assert len(rows) == 1 and rows[0]["estimator"] == "toy-prf" and float(rows[0]["attn_rel_error"]) > 0
-    assert main([*base, "--repeats", "1"]) == 0
+def test_quartiles_and_summary_are_like_for_like() -> None:
+    assert quartiles([]) is None
+    assert quartiles([2.0]) == (2.0, 2.0, 2.0)
+    assert quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 3.0, 4.0)
+    rows = [
+        {"estimator": "a", "regime": "r", "seq_len": 8, "budget": 16, "target": "softmax", "attn_rel_error": 0.5},
+        {"estimator": "b", "regime": "r", "seq_len": 8, "budget": 16, "target": "softmax", "attn_rel_error": 0.2},
+        {"estimator": "g", "regime": "r", "seq_len": 8, "budget": 16, "target": "gaussian", "attn_rel_error": 0.01},
+        {"estimator": "exact", "regime": "r", "seq_len": 8, "budget": None, "target": "softmax", "attn_rel_error": 0},
+        {"estimator": "c", "regime": "r", "seq_len": 8, "budget": None, "target": "softmax", "attn_rel_error": 0.1},
+    ]
+    for r in rows:
+        r.update(error=None, time_ms=1.0)
+    best = {(b["budget"], b["target"]): b["best"] for b in summary(rows)}
+    # c has no budget and competes at 16; exact is the reference; gaussian rows only compete with gaussian rows
+    assert best == {(16, "softmax"): "c", (16, "gaussian"): "g"}
+
+
+def test_compare_csv_file_streamed_table_and_summary(use_registry, capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out_file = tmp_path / "res" / "compare.csv"
+    base = ["compare", "--estimators", "exact", "toy-prf", "--budgets", "16", "64", "--seq-len", "32", "--seeds", "0"]
+    assert main([*base, "--regime", "unit", "--output", str(out_file), *FAST]) == 0
     captured = capsys.readouterr()
-    assert "attn_rel_error" in captured.out and "compare [" in captured.err  # progress on stderr
+    rows = list(csv.DictReader(io.StringIO(out_file.read_text())))
+    assert [(r["estimator"], r["budget"]) for r in rows] == [("exact", ""), ("toy-prf", "16"), ("toy-prf", "64")]
+    assert float(rows[1]["attn_rel_error"]) > 0 and rows[1]["target"] == "softmax"
+    lines = captured.out.splitlines()
+    assert lines[0].split()[:3] == ["estimator", "regime", "budget"]  # the streamed table
+    assert sum(line.startswith("toy-prf") for line in lines) == 2  # two streamed rows
+    assert sum(line.startswith("unit") and " toy-prf " in line for line in lines) == 2  # best at each budget
+    assert "best estimator per budget" in captured.out
+    assert "compare [" not in captured.err  # stderr is not a terminal: no progress in logs
+
+
+def test_compare_csv_to_stdout_is_only_csv(use_registry, capsys) -> None:  # type: ignore[no-untyped-def]
+    base = ["compare", "--estimators", "toy-prf", "--budgets", "16", "--seq-len", "32", "--regime", "unit"]
+    assert main([*base, "--format", "csv", "--seeds", "0", *FAST]) == 0
+    captured = capsys.readouterr()
+    rows = list(csv.DictReader(io.StringIO(captured.out)))
+    assert len(rows) == 1 and rows[0]["estimator"] == "toy-prf" and float(rows[0]["attn_rel_error"]) > 0
+    assert "best estimator" in captured.err  # the summary goes to stderr, stdout stays parseable
+
+
+def test_compare_plot_svg_shows_every_estimator(use_registry, capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "compare.svg"
+    argv = ["compare", "--estimators", "exact", "toy-prf", "elu", "--budgets", "16", "64", "--seq-len", "32", "64"]
+    assert main([*argv, "--seeds", "0", "1", "--plot", str(path), *FAST]) == 0
+    assert f"plot written to {path}" in capsys.readouterr().out
+    svg = path.read_text()
+    assert svg.lstrip().startswith("<?xml") and "<svg" in svg
+    for text in ("toy-prf", "elu", "relative output error", "sequence length N", "budget"):
+        assert text in svg, text
+    png = tmp_path / "compare.png"
+    assert main([*argv[:5], "--seq-len", "32", "--seeds", "0", "--plot", str(png), *FAST]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_compare_plot_errors_are_clear_and_early(use_registry, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    argv = ["compare", "--estimators", "toy-prf", "--budgets", "16", "--seq-len", "16", *FAST]
+    assert main([*argv, "--plot", "figure.gif"]) == 2
+    err = capsys.readouterr().err
+    assert "--plot: expected a file ending in .png, .svg, .pdf, got 'figure.gif'" in err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the extra were not installed
+    assert main([*argv, "--plot", "figure.png"]) == 2
+    captured = capsys.readouterr()
+    assert "kernelattn-core[plot]" in captured.err and captured.out == ""  # nothing ran
 
 
 def test_compare_records_a_failing_estimator_and_goes_on(use_registry, capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["compare", "--estimators", "toy-trig", "--budgets", "16", "--seq-len", "16", "--format", "json",
-                 "--no-progress", "--repeats", "1", "--regime", "unit"]) == 0  # fmt: skip
+                 "--seeds", "0", "--regime", "unit", *FAST]) == 0  # fmt: skip
     (record,) = json.loads(capsys.readouterr().out)
     assert record["error"] is None or "non-finite" in record["error"]
 
@@ -74,9 +151,35 @@ def test_compare_unknown_estimator_is_a_clear_error(use_registry, capsys) -> Non
     assert "unknown class name 'nope'; available:" in capsys.readouterr().err
 
 
+def test_default_estimators_leave_the_quadratic_ones_out() -> None:
+    pytest.importorskip("kernelattn_sampling")
+    from kernelattn_core import get_registry
+
+    linear, everything = default_estimators(), default_estimators(quadratic=True)
+    assert linear[0] == "exact" and "feature-map" not in everything
+    assert "ra" not in linear and "ra" in everything and "lara" in linear
+    reg = get_registry()
+    for name in linear[1:]:
+        entry = reg.get(name)
+        assert entry.kind == "feature_map" or entry.cls.linear, name
+
+
 def test_help_lists_subcommands(capsys) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
     for cmd in ("plugins", "compare", "verify", "experiment"):
         assert cmd in out
+
+
+@pytest.mark.parametrize("argv", [[], *([name] for name in SUBCOMMANDS if name != "experiment")])
+def test_help_imports_neither_torch_nor_plugins(argv: list[str]) -> None:
+    code = (
+        "import sys\nfrom kernelattn_core.cli.main import main\n"
+        f"try:\n    main({[*argv, '--help']!r})\nexcept SystemExit:\n    pass\n"
+        "heavy = sorted(m for m in sys.modules if m == 'torch' or m.startswith('kernelattn_') and '.' not in m)\n"
+        "print('HEAVY', heavy)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert "usage: kernelattn" in result.stdout
+    assert "HEAVY ['kernelattn_core']" in result.stdout, result.stdout[-500:]

@@ -7,11 +7,20 @@ Workload: synthetic ``q, k, v [B, H, N, 64]`` in three regimes,
   standard deviation 0.5 (entries :math:`\\mathcal{N}(0, 0.5)`);
 * ``gauss-1.0``: the same with logit standard deviation 1.0.
 
-For each estimator, regime and budget ``num_features``: kernel relative MSE
-:math:`\\sum (\\hat K - K)^2 / \\sum K^2` (feature maps with a target kernel),
-attention output relative error :math:`\\|\\hat o - o\\|_F / \\|o\\|_F` against exact
-attention with the estimator's target kernel (softmax when it has none), forward
-time (median) and peak tensor memory. Errors are averaged over the seeds.
+or, with ``workload="minilm"``, the per-layer ``q, k, v [1, 12, N, 32]`` of the shipped
+all-MiniLM-L6-v2 on a text (:mod:`kernelattn_core.workloads.minilm`), one row per layer.
+
+For each estimator, regime (or layer), sequence length and budget ``num_features``:
+kernel relative MSE :math:`\\sum (\\hat K - K)^2 / \\sum K^2` (feature maps with a target
+kernel), attention output relative error :math:`\\|\\hat o - o\\|_F / \\|o\\|_F` against
+exact attention with the row's ``target`` kernel (the estimator's own kernel; softmax
+when it has none; always the model's softmax attention on the MiniLM workload), forward
+time (:func:`torch.utils.benchmark.Timer.blocked_autorange`, median) and peak tensor
+memory. Errors are the median over seeds with their interquartile range.
+
+On the MiniLM workload two baselines are added: ``baseline:mean-v`` (every query returns
+the mean of the valid values) and ``oracle:top-k`` (each query attends with softmax to its
+``budget`` keys of largest logit only: quadratic, it needs the exact logits).
 
 Each estimator first sees its workload once in training mode, without gradients, as a
 model is fitted before it is evaluated: data-adapted maps (CEXP) set their statistics
@@ -31,24 +40,44 @@ from ..builtins.estimators import ExactAttention, FeatureMapAttention
 from ..builtins.kernels import SoftmaxKernel
 from ..interfaces.kernel import Kernel
 from ..registry import get_registry
-from .measure import median_time, peak_memory
+from .measure import benchmark_time, peak_memory
 from .progress import Progress
 
 HEAD_DIM = 64
 REGIMES: dict[str, float | None] = {"unit": None, "gauss-0.5": 0.5, "gauss-1.0": 1.0}
-DEFAULT_BUDGETS = (16, 64, 256, 1024)
+DEFAULT_BUDGETS = (64, 256)
+ALL_BUDGETS = (16, 64, 256, 1024)
+DEFAULT_REGIME = "gauss-0.5"
+DEFAULT_SEEDS = (0, 1, 2)
+#: columns of the table (all columns go to CSV and JSON: see :data:`CSV_COLUMNS`)
 COLUMNS = (
     "estimator",
     "regime",
+    "seq_len",
     "budget",
-    "kernel_rel_mse",
+    "target",
     "attn_rel_error",
+    "attn_rel_error_iqr",
+    "kernel_rel_mse",
     "time_ms",
     "time_vs_exact",
     "peak_mem_mb",
     "backend",
     "error",
 )
+CSV_COLUMNS = (
+    *COLUMNS[:-1],
+    "attn_rel_error_q1",
+    "attn_rel_error_q3",
+    "time_iqr_ms",
+    "kernel_rel_mse_iqr",
+    "causal",
+    "seeds",
+    "workload",
+    "error",
+)
+#: column widths of the streamed table
+WIDTHS = {"estimator": 22, "regime": 9, "target": 12, "attn_rel_error": 14, "backend": 8}
 
 
 def workload(
@@ -66,10 +95,21 @@ def workload(
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-def default_estimators() -> list[str]:
-    """Every feature map and estimator, except the generic ``feature-map`` wrapper."""
+def default_estimators(*, quadratic: bool = False) -> list[str]:
+    """``exact`` (the baseline), then every estimator and feature map.
+
+    Estimators whose cost is quadratic in the sequence length (``linear = False``,
+    e.g. ``ra``) are left out unless ``quadratic``; the generic ``feature-map`` wrapper
+    is always left out (every feature map is listed by its own name).
+    """
     reg = get_registry()
-    return [e.name for e in reg.entries("estimator") if e.name != "feature-map"] + reg.names("feature_map")
+    names = ["exact"] if "exact" in reg.names("estimator") else []
+    for e in reg.entries("estimator"):
+        if e.name in ("exact", "feature-map"):
+            continue
+        if quadratic or getattr(e.cls, "linear", True):
+            names.append(e.name)
+    return names + reg.names("feature_map")
 
 
 def _has_budget(name: str) -> bool:
@@ -89,78 +129,230 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(torch.finfo(b.dtype).tiny))
 
 
+def quartiles(values: Sequence[float]) -> tuple[float, float, float] | None:
+    """First quartile, median and third quartile (inclusive method); ``None`` for no values."""
+    import statistics
+
+    if not values:
+        return None
+    if len(values) == 1:
+        return float(values[0]), float(values[0]), float(values[0])
+    q1, med, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return float(q1), float(med), float(q3)
+
+
+def median_iqr(values: Sequence[float]) -> tuple[float | None, float | None]:
+    """Median and interquartile range (0 for one value, ``None`` for none)."""
+    q = quartiles(values)
+    return (None, None) if q is None else (q[1], q[2] - q[0])
+
+
+class _Case:
+    """One workload case: inputs, optional padding mask and, on real data, the reference output."""
+
+    def __init__(
+        self,
+        regime: str,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        ref: torch.Tensor | None = None,
+    ) -> None:
+        self.regime, self.q, self.k, self.v, self.mask, self.ref = regime, q, k, v, mask, ref
+
+
+def _synthetic_cases(regimes: Sequence[str], seq_len: int, seed: int) -> list[_Case]:
+    return [_Case(r, *workload(r, seq_len, seed=seed)) for r in regimes]
+
+
+def minilm_cases(
+    texts: str | None = None, *, max_length: int = 512, max_sequences: int = 1, layers: Sequence[int] | None = None
+) -> list[_Case]:
+    """The per-layer cases of the shipped all-MiniLM-L6-v2 (float32), named ``minilm-L<i>``."""
+    from ..workloads.minilm import minilm_workload
+
+    captured = minilm_workload(texts, max_length=max_length, max_sequences=max_sequences, dtype=torch.float32)
+    return [
+        _Case(f"minilm-L{c.layer}", c.q, c.k, c.v, c.key_padding_mask, c.out)
+        for c in captured
+        if layers is None or c.layer in layers
+    ]
+
+
 def run_compare(
     estimators: Sequence[str] | None = None,
     budgets: Sequence[int] = DEFAULT_BUDGETS,
     *,
-    seq_len: int = 256,
+    seq_len: int | Sequence[int] = 256,
     causal: bool = False,
     seeds: Sequence[int] = (0,),
     regimes: Sequence[str] = tuple(REGIMES),
     progress: bool = True,
-    repeats: int = 3,
+    min_run_time: float = 0.1,
+    workload_name: str = "synthetic",
+    texts: str | None = None,
+    max_length: int = 512,
+    max_sequences: int = 1,
+    quadratic: bool = False,
+    on_record: Any = None,
 ) -> list[dict[str, Any]]:
-    """One record per (estimator, regime, budget); see the module docstring."""
-    names = list(estimators) if estimators else default_estimators()
+    """One record per (regime or layer, sequence length, budget, estimator); see the module docstring.
+
+    Parameters
+    ----------
+    estimators : sequence of str, optional
+        Registry names; :func:`default_estimators` when ``None``.
+    budgets : sequence of int
+        ``num_features`` values (estimators without a budget get one row).
+    seq_len : int or sequence of int
+        Sequence lengths of the synthetic workload (ignored on MiniLM: ``max_length``).
+    seeds : sequence of int
+        Seeds of the estimators' randomness (and of the synthetic data); errors are
+        summarised over them by median and IQR, time and memory are taken at the first.
+    regimes : sequence of str
+        Synthetic regimes (see :data:`REGIMES`).
+    min_run_time : float
+        Seconds of timing per row (``blocked_autorange``).
+    workload_name : {"synthetic", "minilm"}
+        The workload.
+    on_record : callable, optional
+        Called with each record as soon as it is complete (streamed output).
+    """
+    if workload_name not in ("synthetic", "minilm"):
+        raise ValueError(f"workload: expected 'synthetic' or 'minilm', got {workload_name!r}")
+    names = list(estimators) if estimators else default_estimators(quadratic=quadratic)
     reg = get_registry()
     for name in names:
         reg.get(name)  # unknown names fail early, listing the available ones
-    plan = [(n, r, b) for r in regimes for n in names for b in (budgets if _has_budget(n) else (None,))]
+    if not seeds:
+        raise ValueError("seeds: expected at least one seed, got none")
+    lengths = [seq_len] if isinstance(seq_len, int) else list(seq_len)
+    if workload_name == "minilm":
+        real = minilm_cases(texts, max_length=max_length, max_sequences=max_sequences)
+        groups = [(c.regime, c.q.shape[-2], [c for _ in seeds]) for c in real]
+    else:
+        groups = []
+        for regime in regimes:
+            for n in lengths:
+                groups.append((regime, n, [_synthetic_cases([regime], n, s)[0] for s in seeds]))
+    budgeted = [n for n in names if _has_budget(n)]
+    plain = [n for n in names if not _has_budget(n)]
+    plan: list[tuple[str, int, list[_Case], str, int | None]] = []
+    for regime, n, cases in groups:
+        plan += [(regime, n, cases, name, None) for name in plain]
+        for b in budgets:
+            plan += [(regime, n, cases, name, b) for name in budgeted]
+            if workload_name == "minilm":
+                plan += [(regime, n, cases, "oracle:top-k", b)]
+        if workload_name == "minilm":
+            plan += [(regime, n, cases, "baseline:mean-v", None)]
     records: list[dict[str, Any]] = []
-    exact_time: dict[str, float] = {}
+    exact_time: dict[tuple[str, int], float] = {}
     with Progress(len(plan), "compare", enabled=progress) as bar:
-        for name, regime, budget in plan:
-            records.append(_one(name, regime, budget, seq_len, causal, seeds, repeats, exact_time))
-            bar.advance(f"{name} {regime} {budget or ''}")
-    for r in records:
-        base = exact_time.get(r["regime"])
-        r["time_vs_exact"] = r["time_ms"] / base if base and r.get("time_ms") is not None else None
+        for regime, n, cases, name, budget in plan:
+            bar.advance(f"{name} {regime} N={n} {budget or ''}")
+            record = _one(name, regime, budget, cases, seeds, causal, min_run_time, workload_name)
+            if name == "exact" and record["time_ms"] is not None:
+                exact_time[(regime, n)] = record["time_ms"]
+            base = exact_time.get((regime, n))
+            if base and record["time_ms"] is not None:
+                record["time_vs_exact"] = record["time_ms"] / base
+            records.append(record)
+            if on_record is not None:
+                on_record(record)
     return records
+
+
+def _baseline(name: str, budget: int | None, case: _Case) -> torch.Tensor:
+    """The MiniLM baselines: the mean of the valid values, or the top-``budget`` softmax oracle."""
+    q, k, v, mask = case.q.double(), case.k.double(), case.v.double(), case.mask
+    keep = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool) if mask is None else ~mask  # [B, M]
+    if name == "baseline:mean-v":
+        w = keep[:, None, :, None].to(v.dtype)
+        out = (v * w).sum(-2, keepdim=True) / w.sum(-2, keepdim=True)  # [B, H, 1, dv]
+        out = out.expand(-1, -1, q.shape[-2], -1)
+    else:  # oracle:top-k
+        logits = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [B, H, N, M]
+        logits = logits.masked_fill(~keep[:, None, None, :], float("-inf"))
+        top = min(int(budget or 1), k.shape[-2])
+        kth = logits.topk(top, dim=-1).values[..., -1:]
+        out = torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1) @ v
+    if mask is not None:
+        out = out.masked_fill(mask[:, None, :, None], 0.0)
+    return out
 
 
 def _one(
     name: str,
     regime: str,
     budget: int | None,
-    seq_len: int,
-    causal: bool,
+    cases: Sequence[_Case],
     seeds: Sequence[int],
-    repeats: int,
-    exact_time: dict[str, float],
+    causal: bool,
+    min_run_time: float,
+    workload_name: str,
 ) -> dict[str, Any]:
+    from ..workloads.minilm import relative_error
+
+    n = cases[0].q.shape[-2]
     record: dict[str, Any] = {
         "estimator": name,
         "regime": regime,
         "budget": budget,
-        "seq_len": seq_len,
+        "seq_len": n,
         "causal": causal,
         "seeds": list(seeds),
+        "workload": workload_name,
+        "target": None,
         "kernel": None,
         "kernel_rel_mse": None,
+        "kernel_rel_mse_iqr": None,
         "attn_rel_error": None,
+        "attn_rel_error_iqr": None,
         "time_ms": None,
+        "time_iqr_ms": None,
         "time_vs_exact": None,
         "peak_mem_mb": None,
         "backend": None,
         "error": None,
     }
-    kernel_errs, attn_errs = [], []
+    kernel_errs: list[float] = []
+    attn_errs: list[float] = []
     try:
-        for i, seed in enumerate(seeds):
+        if name.startswith(("baseline:", "oracle:")):
+            if causal:
+                raise ValueError("the MiniLM baselines are bidirectional; drop --causal")
+            case = cases[0]
+            record["target"] = record["kernel"] = "softmax"
+            record["backend"] = "oracle" if name.startswith("oracle:") else "baseline"
+            attn_errs.append(relative_error(_baseline(name, budget, case), case.ref.double(), case.mask))
+            with torch.no_grad():
+                t = benchmark_time(lambda: _baseline(name, budget, case), case.q.device, min_run_time)
+            record["time_ms"], record["time_iqr_ms"] = 1e3 * t["median"], 1e3 * t["iqr"]
+        for i, (case, seed) in enumerate(zip(cases, seeds)) if not name.startswith(("baseline:", "oracle:")) else ():
+            q, k, v, mask = case.q, case.k, case.v, case.mask
             torch.manual_seed(seed)
             options = {} if budget is None else {"num_features": budget}
             est = create(name, **options)
-            q, k, v = workload(regime, seq_len, seed=seed)
             with torch.no_grad():
-                est.train()(q, k, v, causal=causal)  # calibration pass: data-adapted maps fit statistics
+                est.train()(q, k, v, causal=causal, key_padding_mask=mask)  # calibration: data-adapted maps fit
                 est.eval()
-                target = _target_kernel(est)  # after the first call: a learned target needs a built map
-                record["kernel"] = target.name
-                out = est(q, k, v, causal=causal)
-                ref = ExactAttention(target)(q.double(), k.double(), v.double(), causal=causal)
+                if case.ref is not None and not causal:
+                    target_name, ref = "softmax", case.ref.double()
+                else:
+                    target = _target_kernel(est)  # after the first call: a learned target needs a built map
+                    target_name = target.name
+                    ref = ExactAttention(target)(
+                        q.double(), k.double(), v.double(), causal=causal, key_padding_mask=mask
+                    )
+                record["target"] = record["kernel"] = target_name
+                out = est(q, k, v, causal=causal, key_padding_mask=mask)
                 if not torch.isfinite(out).all():
                     raise FloatingPointError("output has non-finite values")
-                attn_errs.append(_rel(out.double(), ref))
+                attn_errs.append(
+                    relative_error(out.double(), ref, mask) if mask is not None else _rel(out.double(), ref)
+                )
                 if isinstance(est, FeatureMapAttention) and est.feature_map.kernel is not None:
                     qs, ks = est.transform(q[..., :128, :], k[..., :128, :])
                     exact_k = est.feature_map.exact_kernel(qs, ks).double()
@@ -169,15 +361,50 @@ def _one(
                 if i == 0:
                     record["backend"] = est.last_backend
 
-                    def call(est=est, q=q, k=k, v=v) -> torch.Tensor:
-                        return est(q, k, v, causal=causal)
+                    def call(est=est, q=q, k=k, v=v, mask=mask) -> torch.Tensor:
+                        return est(q, k, v, causal=causal, key_padding_mask=mask)
 
-                    record["time_ms"] = 1e3 * median_time(call, q.device, repeats)
+                    t = benchmark_time(call, q.device, min_run_time)
+                    record["time_ms"], record["time_iqr_ms"] = 1e3 * t["median"], 1e3 * t["iqr"]
                     record["peak_mem_mb"] = peak_memory(call, q.device) / 2**20
-                    if name == "exact":
-                        exact_time[regime] = record["time_ms"]
     except Exception as exc:
         record["error"] = f"{type(exc).__name__}: {exc}"
-    record["attn_rel_error"] = sum(attn_errs) / len(attn_errs) if attn_errs else None
-    record["kernel_rel_mse"] = sum(kernel_errs) / len(kernel_errs) if kernel_errs else None
+    record["attn_rel_error"], record["attn_rel_error_iqr"] = median_iqr(attn_errs)
+    q = quartiles(attn_errs)
+    record["attn_rel_error_q1"], record["attn_rel_error_q3"] = (q[0], q[2]) if q else (None, None)
+    record["kernel_rel_mse"], record["kernel_rel_mse_iqr"] = median_iqr(kernel_errs)
     return record
+
+
+def summary(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The best estimator (lowest median output error) per regime, length, budget and target.
+
+    Rows are compared like for like: an estimator of the Gaussian kernel measured against
+    exact Gaussian-kernel attention does not compete with softmax estimators.
+
+    Exact attention and the oracle are left out (they are references, not estimators);
+    rows without a budget compete at every budget.
+    """
+    best: dict[tuple[str, int, int, str], dict[str, Any]] = {}
+    budgets = sorted({r["budget"] for r in records if r["budget"] is not None})
+    for r in records:
+        if (
+            r["error"]
+            or r["attn_rel_error"] is None
+            or r["estimator"] == "exact"
+            or r["estimator"].startswith("oracle:")
+        ):
+            continue
+        for b in [r["budget"]] if r["budget"] is not None else budgets:
+            key = (r["regime"], r["seq_len"], b, r["target"])  # like for like: one winner per target
+            if key not in best or r["attn_rel_error"] < best[key]["attn_rel_error"]:
+                best[key] = {
+                    "regime": r["regime"],
+                    "seq_len": r["seq_len"],
+                    "budget": b,
+                    "best": r["estimator"],
+                    "target": r["target"],
+                    "attn_rel_error": r["attn_rel_error"],
+                    "time_ms": r["time_ms"],
+                }
+    return list(best.values())

@@ -1,105 +1,65 @@
-"""Entry point of the ``kernelattn`` console script."""
+"""Entry point of the ``kernelattn`` console script.
+
+Subcommands are listed in :data:`SUBCOMMANDS` (name -> module, one-line help) and
+imported only when they run, so ``kernelattn --help`` and ``kernelattn NAME --help``
+answer without importing torch or any plugin. A subcommand module defines
+
+* ``add_parser(sub) -> None``: adds its parser to the ``argparse`` subparsers ``sub``
+  and sets ``func`` (``(args) -> int``) as a default; keep heavy imports inside ``func``.
+
+Registering a new subcommand is one line in :data:`SUBCOMMANDS`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+from importlib import import_module
 
-from ..api import list_plugins
-from .output import table, to_csv, to_json
-
-
-def _cmd_plugins(args: argparse.Namespace) -> int:
-    plugins = list_plugins()
-    if args.format == "json":
-        print(to_json(plugins))
-        return 0
-    rows = []
-    for p in plugins:
-        for c in p["classes"]:
-            flags = {k: v for k, v in c.items() if k not in {"name", "kind", "class"}}
-            rows.append(
-                {
-                    "plugin": p["plugin"],
-                    "distribution": p["distribution"],
-                    "version": p["version"],
-                    "kind": c["kind"],
-                    "name": c["name"],
-                    "flags": flags,
-                }
-            )
-        for err in p["errors"]:
-            rows.append({"plugin": p["plugin"], "distribution": p["distribution"], "kind": "ERROR", "flags": err})
-    print(table(rows, ("plugin", "distribution", "version", "kind", "name", "flags")))
-    return 0
+#: subcommand -> (module defining ``add_parser(sub)``, one-line help for ``kernelattn --help``)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "plugins": ("kernelattn_core.cli.plugins_cmd", "list plugins, their classes, aliases and capability flags"),
+    "compare": ("kernelattn_core.cli.compare_cmd", "compare estimators on a synthetic or a real (MiniLM) workload"),
+    "verify": ("kernelattn_core.cli.verify_cmd", "run the declared claims of installed plugins"),
+    "experiment": ("kernelattn_core.cli.experiment_cmd", "run a paper experiment contributed by a plugin"),
+}
 
 
-def _cmd_compare(args: argparse.Namespace) -> int:
-    from .compare import COLUMNS, REGIMES, run_compare
-
-    regimes = list(REGIMES) if args.regime == "all" else [args.regime]
-    records = run_compare(
-        args.estimators or None,
-        args.budgets,
-        seq_len=args.seq_len,
-        causal=args.causal,
-        seeds=args.seeds,
-        regimes=regimes,
-        progress=not args.no_progress,
-        repeats=args.repeats,
-    )
-    if args.format == "json":
-        print(to_json(records))
-    elif args.format == "csv":
-        print(to_csv(records, [*COLUMNS[:-1], "seq_len", "causal", "kernel", "error"]))
-    else:
-        print(table(records, COLUMNS))
-    return 0
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv`` (the first word that is not an option)."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg
+    return None
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; only the subcommand named in ``argv`` is imported (every one when ``None``)."""
     parser = argparse.ArgumentParser(prog="kernelattn", description="Kernelized and random-feature attention.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("plugins", help="list plugins, their classes and capability flags")
-    p.add_argument("--format", choices=("table", "json"), default="table")
-    p.set_defaults(func=_cmd_plugins)
-
-    c = sub.add_parser("compare", help="compare every installed estimator on a synthetic workload")
-    c.add_argument("--estimators", nargs="+", metavar="NAME", help="registry names (default: all)")
-    c.add_argument("--budgets", nargs="+", type=int, default=[16, 64, 256, 1024], metavar="D")
-    c.add_argument("--seq-len", type=int, default=256)
-    c.add_argument("--causal", action="store_true")
-    c.add_argument("--seeds", nargs="+", type=int, default=[0])
-    c.add_argument("--regime", choices=("all", "unit", "gauss-0.5", "gauss-1.0"), default="all")
-    c.add_argument("--repeats", type=int, default=3, help="timed repeats per configuration (median)")
-    c.add_argument("--format", choices=("table", "csv", "json"), default="table")
-    c.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    c.set_defaults(func=_cmd_compare)
-
-    from . import verify_cmd
-
-    verify_cmd.add_parser(sub)
-
-    from ..registry import get_registry
-
-    e = sub.add_parser("experiment", help="run a paper experiment contributed by a plugin")
-    esub = e.add_subparsers(dest="experiment", required=True, metavar="NAME")
-    for name, exp in sorted(get_registry().experiments().items()):
-        ep = esub.add_parser(name, help=exp.help, description=exp.help)
-        exp.add_arguments(ep)
-        ep.set_defaults(func=exp.run)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    wanted = None if argv is None else _command(argv)
+    for name, (module, help_line) in SUBCOMMANDS.items():
+        if argv is None or name == wanted:
+            import_module(module).add_parser(sub)
+        else:
+            sub.add_parser(name, help=help_line)  # a stub: shows in --help, never parses
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:  # pragma: no cover
         return 130
+    except BrokenPipeError:  # pragma: no cover - `kernelattn plugins | head`
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
     except Exception as exc:
         from ..errors import KernelAttnError
 

@@ -93,3 +93,23 @@ def median_time(fn: Callable[[], Any], device: torch.device, repeats: int = 5, w
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def benchmark_time(fn: Callable[[], Any], device: torch.device, min_run_time: float = 0.2) -> dict[str, float]:
+    """Time ``fn()`` with :mod:`torch.utils.benchmark` (``blocked_autorange``).
+
+    The timer warms up, picks a block size so that one block lasts long enough to time
+    reliably, synchronises CUDA itself and runs blocks for at least ``min_run_time``
+    seconds, with as many threads as torch uses here (the timer's default is one).
+
+    Returns
+    -------
+    dict
+        ``median`` and interquartile range ``iqr`` of the per-call time (seconds) over the
+        blocks, and ``calls``, the number of timed calls.
+    """
+    from torch.utils import benchmark
+
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    m = timer.blocked_autorange(min_run_time=min_run_time)
+    return {"median": float(m.median), "iqr": float(m.iqr), "calls": float(m.number_per_run * len(m.raw_times))}

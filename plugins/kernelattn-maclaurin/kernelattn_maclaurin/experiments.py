@@ -10,7 +10,10 @@
   RMFA, :math:`d = 50`, 8 heads, sequence length 1000 to 5000, :math:`D` from 2 to 120,
   on unit-norm rows (so that every kernel is in its domain).
 
-Both print a table (or CSV / JSON) and take options to shrink the grid.
+Both print a table (or CSV / JSON, ``--format``, ``--output FILE``), draw the paper's
+figure with ``--plot FILE`` (error against :math:`D`, one panel per :math:`d`; speed-up
+against :math:`D`, one panel per kernel, a line per length) and take options to shrink
+the grid.
 """
 
 from __future__ import annotations
@@ -23,8 +26,7 @@ import torch
 
 from kernelattn_core import ExactAttention
 from kernelattn_core.cli.measure import median_time
-from kernelattn_core.cli.output import table, to_csv, to_json
-from kernelattn_core.experiments import Experiment
+from kernelattn_core.experiments import Experiment, add_output_arguments, check_plot, write_results
 
 from .estimators import RMFA
 from .feature_maps import RandomMaclaurinFeatures
@@ -39,16 +41,27 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=("paper", "released"), default="paper", help="rmf mode")
     parser.add_argument("--p", type=float, default=2.0, help="degree-law ratio p > 1")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    add_output_arguments(parser)
 
 
-def _print(records: list[dict[str, Any]], columns: tuple[str, ...], fmt: str) -> None:
-    if fmt == "json":
-        print(to_json(records))
-    elif fmt == "csv":
-        print(to_csv(records, columns))
-    else:
-        print(table(records, columns))
+def error_figure(records: list[dict[str, Any]], path: Any) -> None:
+    """SchoenbAt Fig. 4: mean absolute error against D, one panel per d, a line per kernel."""
+    from kernelattn_core.cli.plot import line_panels
+
+    line_panels(
+        records, path, panel="d", group="kernel", x="D", y="mean_abs_err", xlabel="D (random features)",
+        ylabel="mean absolute error", title="RMFA approximation error (SchoenbAt Fig. 4)", logy=True,
+    )  # fmt: skip
+
+
+def speed_figure(records: list[dict[str, Any]], path: Any) -> None:
+    """SchoenbAt Fig. 5: speed-up of RMFA over exact attention against D, a panel per kernel, a line per L."""
+    from kernelattn_core.cli.plot import line_panels
+
+    line_panels(
+        records, path, panel="kernel", group="L", x="D", y="speedup", xlabel="D (random features)",
+        ylabel="time exact / time RMFA", title="RMFA speed-up (SchoenbAt Fig. 5)",
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- approximation error
@@ -113,6 +126,7 @@ def rmfa_error(
 
 
 def error_run(args: argparse.Namespace) -> int:
+    check_plot(args)
     records = rmfa_error(
         n=args.n,
         dims=tuple(args.dims),
@@ -123,7 +137,8 @@ def error_run(args: argparse.Namespace) -> int:
         p=args.p,
         seed=args.seed,
     )
-    _print(records, ("kernel", "d", "D", "mean_abs_err", "median_abs_err", "repeats"), args.format)
+    columns = ("kernel", "d", "D", "mean_abs_err", "median_abs_err", "repeats")
+    write_results(args, records, columns, figure=error_figure)
     return 0
 
 
@@ -188,6 +203,7 @@ def rmfa_speed(
 
 
 def speed_run(args: argparse.Namespace) -> int:
+    check_plot(args)
     records = rmfa_speed(
         lengths=tuple(args.lengths),
         budgets=tuple(args.budgets),
@@ -201,7 +217,8 @@ def speed_run(args: argparse.Namespace) -> int:
         seed=args.seed,
         device=args.device,
     )
-    _print(records, ("kernel", "L", "D", "exact_ms", "rmfa_ms", "speedup"), args.format)
+    columns = ("kernel", "L", "D", "exact_ms", "rmfa_ms", "speedup")
+    write_results(args, records, columns, figure=speed_figure)
     return 0
 
 

@@ -25,7 +25,6 @@ which contradicts the paper's Fig. 1 narrative (``--laplace scale`` runs it).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from dataclasses import asdict, dataclass
 
@@ -174,7 +173,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--include-full", action="store_true", help="also run the full-matrix rule")
     parser.add_argument("--seed", type=int, default=c.seed)
-    parser.add_argument("--format", choices=("table", "json"), default="table")
+    from kernelattn_core.experiments import add_output_arguments
+
+    add_output_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> CexpConfig:
@@ -183,21 +184,39 @@ def config_from_args(args: argparse.Namespace) -> CexpConfig:
     return CexpConfig(**{k: getattr(args, k) for k in fields if hasattr(args, k)})
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the experiment and print its table (or JSON)."""
-    from kernelattn_core.cli.output import table
+def figure(results: dict[str, dict[str, list[float]]], path: object, config: CexpConfig) -> None:
+    """CEXP's Fig. 1 (and Figs. 2-3): boxplots over datasets of the MSE and of the max
+    relative error of each estimator, log scale."""
+    from kernelattn_core.cli.plot import boxplots
 
+    boxplots(
+        results,
+        (("mse", "MSE"), ("max_rel", "max relative error")),
+        path,  # type: ignore[arg-type]
+        f"PRF vs CEXP: d={config.dim}, m={config.num_features} ({config.variant}), {config.datasets} datasets",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the experiment and write its table (or CSV / JSON) and figure (``--plot``)."""
+    from kernelattn_core.experiments import check_plot, write_results
+
+    check_plot(args)
     config = config_from_args(args)
     results = run_experiment(config)
     records = summary_records(results)
-    if args.format == "json":
-        print(json.dumps({"config": asdict(config), "summary": records, "per_dataset": results}, indent=2))
-        return 0
-    print(
+    title = (
         f"CEXP experiment: d={config.dim}, m={config.num_features} ({config.variant}), {config.datasets} datasets "
         f"x {config.pairs} pairs, Laplace {config.laplace} {config.laplace_param} (scale b={config.laplace_scale:g})"
     )
-    print(table(records, list(records[0])))
+    write_results(
+        args,
+        records,
+        list(records[0]),
+        title=title,
+        json_payload={"config": asdict(config), "summary": records, "per_dataset": results},
+        figure=lambda _records, path: figure(results, path, config),
+    )
     return 0
 
 

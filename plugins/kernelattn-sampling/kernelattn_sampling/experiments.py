@@ -15,7 +15,6 @@ baseline people use today.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -119,27 +118,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=d.repeats, help="timed forward calls (median)")
     parser.add_argument("--warmup", type=int, default=d.warmup)
     parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--format", choices=("table", "json"), default="table")
+    from kernelattn_core.experiments import add_output_arguments
+
+    add_output_arguments(parser)
+
+
+def figure(records: list[dict[str, Any]], path: object) -> None:
+    """Table 6 as bars: time and peak-memory ratios to softmax, grouped by length."""
+    from kernelattn_core.cli.plot import grouped_bars
+
+    grouped_bars(
+        records,
+        path,  # type: ignore[arg-type]
+        x="length",
+        group="method",
+        values=(("time_ratio", "time / softmax"), ("mem_ratio", "peak memory / softmax")),
+        title="LARA efficiency (Table 6 at CPU scale)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run and print the table (ratios to softmax, as in Table 6)."""
-    from kernelattn_core.cli.output import table
+    """Run and write the table (ratios to softmax, as in Table 6), CSV / JSON, and the figure."""
+    from kernelattn_core.experiments import check_plot, write_results
 
+    check_plot(args)
     fields = EfficiencyConfig.__dataclass_fields__
     config = EfficiencyConfig(**{k: getattr(args, k) for k in fields if hasattr(args, k)})
     if "softmax" in config.methods:
         config.methods = ["softmax"] + [m for m in config.methods if m != "softmax"]
     records = run_experiment(config)
-    if getattr(args, "format", "table") == "json":
-        print(json.dumps({"config": asdict(config), "records": records}, indent=2))
-        return 0
-    print(
+    title = (
         f"LARA efficiency (Table 6 at CPU scale): {config.layers} layers, embedding {config.embed}, "
         f"{config.heads} heads, {config.samples} samples/landmarks (RA: S = 1), batch 1, forward, "
         f"median of {config.repeats}; ratios to {config.methods[0]}"
     )
-    print(table(records, list(records[0])))
+    write_results(
+        args,
+        records,
+        list(records[0]),
+        title=title,
+        json_payload={"config": asdict(config), "records": records},
+        figure=figure,
+    )
     return 0
 
 

