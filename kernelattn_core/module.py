@@ -129,7 +129,7 @@ class KernelAttention(nn.Module):
         self.estimator = build_estimator(estimator, self.head_dim, num_heads, estimator_options)
         if device is not None or dtype is not None:
             self.estimator.to(device=device, dtype=dtype)
-        self._register_load_state_dict_pre_hook(_load_multihead_state)
+        self.register_load_state_dict_pre_hook(_load_multihead_state)
 
     # ------------------------------------------------------------------ conversion
     @classmethod

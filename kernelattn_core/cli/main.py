@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify_cmd.add_parser(sub)
 
+    from . import convert_cmd
+
+    convert_cmd.add_parser(sub)
+
     from ..registry import get_registry
 
     e = sub.add_parser("experiment", help="run a paper experiment contributed by a plugin")

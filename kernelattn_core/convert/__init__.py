@@ -22,7 +22,7 @@ from torch import nn
 
 from ..errors import InputError
 from ..module import KernelAttention
-from .distill import DistillReport, LayerReport, distill_attention
+from .distill import DistillReport, LayerReport, distill_attention, output_errors
 from .hf import HFKernelSelfAttention, is_hf_self_attention
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "convert_attention",
     "converted_modules",
     "distill_attention",
+    "output_errors",
 ]
 
 

@@ -368,3 +368,36 @@ def distill_attention(
         bar.close()
     report.seconds = time.perf_counter() - start
     return report
+
+
+@torch.no_grad()
+def output_errors(student: nn.Module, teacher: nn.Module, batches: Iterable[Any]) -> list[dict[str, Any]]:
+    """Per converted layer, the output relative error :math:`\\|\\hat o - o\\|_F / \\|o\\|_F`
+    of the student's estimator against the teacher's softmax attention, on the
+    teacher's ``q, k, v`` for ``batches`` (valid query rows only; random draws frozen).
+
+    Returns
+    -------
+    list of dict
+        ``{"layer", "name", "output_rel_error"}`` in layer order.
+    """
+    from . import converted_modules
+
+    layers = capture_layers(student, teacher, batches)
+    modules = dict(converted_modules(student))
+    out = []
+    for index, (name, layer) in enumerate(layers.items()):
+        est = modules[name].estimator
+        was_training = est.training
+        est.eval()
+        num = den = 0.0
+        for i in range(len(layer.q)):
+            rows = _valid_rows(layer, i)
+            q, k, v, kpm = layer.q[i], layer.k[i], layer.v[i], layer.kpm[i]
+            ref = _teacher_rows(q, k, kpm, layer.causal, rows) @ v
+            got = _student_rows(est, q, k, kpm, layer.causal, rows, v)
+            num += float(((got - ref) ** 2).sum())
+            den += float((ref**2).sum())
+        est.train(was_training)
+        out.append({"layer": index, "name": name, "output_rel_error": math.sqrt(num / max(den, _EPS))})
+    return out
