@@ -262,6 +262,7 @@ class KernelAttention(nn.Module):
         q = self.q_proj(query).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, N, Dh]
         k = self.k_proj(key).view(b, m, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, M, Dh]
         v = self.v_proj(value).view(b, m, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, M, Dh]
+        k, v = zero_padded(k, v, kpm)
         return q, k, v, kpm, causal
 
     def _merge(self, out: torch.Tensor) -> torch.Tensor:
@@ -329,6 +330,17 @@ class KernelAttention(nn.Module):
 
 
 # ---------------------------------------------------------------------- masks
+def zero_padded(
+    k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k, v [B, H, M, d]`` with zeros at padded keys, so that no value there (NaN
+    included: ``0 * nan`` is ``nan``) can reach an output through a masked weight."""
+    if key_padding_mask is None:
+        return k, v
+    pad = key_padding_mask[:, None, :, None]  # [B, 1, M, 1]
+    return k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
+
+
 def bool_key_padding_mask(mask: torch.Tensor | None, batch: int, keys: int) -> torch.Tensor | None:
     """``key_padding_mask [B, M]`` as bool (``True`` = padded) from the bool or the
     additive float form (``-inf`` = padded, ``0`` = kept)."""

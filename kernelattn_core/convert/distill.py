@@ -52,6 +52,9 @@ class LayerReport:
     error_before, error_after : float
         Output relative error :math:`\\|\\hat o - o\\|_F / \\|o\\|_F` on the fitting data.
     seconds : float
+    restored : bool
+        The fit made the loss worse (a diverging signed estimator), so the
+        parameters it started from were put back (``loss_after == loss_before``).
     """
 
     layer: int
@@ -62,6 +65,7 @@ class LayerReport:
     error_before: float
     error_after: float
     seconds: float
+    restored: bool = False
 
 
 @dataclass
@@ -336,6 +340,7 @@ def distill_attention(
             _calibrate(est, layer)
             before = _evaluate(est, layer, loss)
             params = [p for p in est.parameters() if p.requires_grad]
+            start_state = {k: v.detach().clone() for k, v in est.state_dict().items()}
             if params and steps:
                 opt = torch.optim.Adam(params, lr=lr)
                 for step in range(steps):
@@ -351,6 +356,10 @@ def distill_attention(
                 for _ in range(steps):
                     bar.advance(f"layer {index} (nothing to fit)")
             after = _evaluate(est, layer, loss)
+            restored = not after[0] <= before[0]  # NaN included
+            if restored:
+                est.load_state_dict(start_state)
+                after = before
             est.train(was_training)
             report.layers.append(
                 LayerReport(
@@ -362,6 +371,7 @@ def distill_attention(
                     error_before=before[1],
                     error_after=after[1],
                     seconds=time.perf_counter() - t0,
+                    restored=restored,
                 )
             )
     finally:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
-from ..module import build_estimator
+from ..module import build_estimator, zero_padded
 
 _BERT = ("query", "key", "value")
 _DISTIL = ("q_lin", "k_lin", "v_lin", "out_lin")
@@ -139,6 +139,7 @@ class HFKernelSelfAttention(nn.Module):
         k = kp(hidden_states).view(shape).transpose(1, 2)  # [B, H, N, d]
         v = vp(hidden_states).view(shape).transpose(1, 2)  # [B, H, N, d]
         kpm, causal = masks_from_hf(attention_mask, b, n, n)
+        k, v = zero_padded(k, v, kpm)
         return q, k, v, kpm, causal or (self.is_causal and attention_mask is None)
 
     def forward(
