@@ -3,6 +3,7 @@
 Public vocabulary
 -----------------
 :func:`create`, :func:`list_plugins`, :func:`kernel_attention`, :class:`KernelAttention`,
+:func:`convert_attention`, :func:`distill_attention`,
 :data:`hookimpl`, and the interfaces :class:`Kernel`, :class:`FeatureMap`,
 :class:`Normalizer`, :class:`AttentionEstimator`.
 """
@@ -16,6 +17,7 @@ from .builtins import (
     SignedRowNormalizer,
     SoftmaxKernel,
 )
+from .convert import convert_attention, distill_attention
 from .engine import kernel_attention
 from .errors import DomainError, InputError, KernelAttnError, PluginError, PluginWarning, UnknownNameError
 from .hookspecs import hookimpl
@@ -55,7 +57,9 @@ __all__ = [
     "SignedRowNormalizer",
     "SoftmaxKernel",
     "UnknownNameError",
+    "convert_attention",
     "create",
+    "distill_attention",
     "get_registry",
     "hookimpl",
     "kernel_attention",
