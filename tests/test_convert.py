@@ -281,6 +281,17 @@ def test_distill_on_a_causal_torch_decoder_stack() -> None:
     torch.testing.assert_close(a[:, :-1], b[:, :-1])
 
 
+def test_distill_gives_the_estimator_every_query_at_its_position(tokenizer) -> None:
+    """Only the loss is subsampled: a sliding window needs query i at position i."""
+    teacher = tiny()
+    student = convert_attention(teacher, "gmm-prf", num_features=8, seed=0)
+    shapes = []
+    for _, module in converted_modules(student):
+        module.estimator.register_forward_pre_hook(lambda _m, args: shapes.append((args[0].shape, args[1].shape)))
+    distill_attention(student, teacher, [_batch(tokenizer)], steps=4, rows=2, progress=False)
+    assert shapes and all(q[2] == k[2] for q, k in shapes)
+
+
 def test_distill_argument_errors(tokenizer) -> None:
     teacher = tiny()
     with pytest.raises(ka.InputError, match="student: no converted attention layer"):

@@ -172,9 +172,10 @@ def _teacher_rows(q: torch.Tensor, k: torch.Tensor, kpm: torch.Tensor | None, ca
 
 
 def _student_rows(est: nn.Module, q, k, kpm, causal, rows, values):  # type: ignore[no-untyped-def]
-    if causal:  # causal estimators need every query: compute all, keep the rows
-        return est(q, k, values, causal=True, key_padding_mask=kpm)[:, :, rows]
-    return est(q[:, :, rows], k, values, causal=False, key_padding_mask=kpm)
+    """The student's output ``[1, H, R, dv]`` at the query rows ``rows``. Every query
+    enters the estimator (position-aware estimators such as a sliding window need
+    query ``i`` at position ``i``); only the loss is restricted to ``rows``."""
+    return est(q, k, values, causal=causal, key_padding_mask=kpm)[:, :, rows]
 
 
 def _loss(est, layer: _Layer, i: int, rows: Any, loss: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -290,9 +291,8 @@ def distill_attention(
         ``attention_mask`` for Hugging Face models), tuples of positional arguments, or
         tensors. Every sequence of every batch is one fitting example.
     steps : int
-        Adam steps per layer; each step takes one sequence (in turn) and ``rows``
-        random valid query rows of it (all rows of a causal layer enter the estimator,
-        ``rows`` of them enter the loss).
+        Adam steps per layer; each step takes one sequence (in turn); every query
+        enters the estimator and ``rows`` random valid query rows enter the loss.
     lr : float
         Adam learning rate.
     loss : {"ce", "mse"}
@@ -300,7 +300,8 @@ def distill_attention(
         MSE. For signed estimators (rows that can be negative) ``"mse"`` is the
         meaningful one.
     rows : int
-        Query rows per step (subsampling keeps fitting fast at ``N = 512``).
+        Query rows in the loss of each step (the teacher's rows are formed only for
+        them).
     seed : int
         Seed of the row sampling.
     progress : bool, optional

@@ -211,7 +211,7 @@ def masks_from_hf(mask: Any, batch: int, n: int, m: int) -> tuple[torch.Tensor |
     keep = ~padded
     if allowed.shape[1] == 1 or bool((allowed == keep[:, None, :]).all()):
         return (padded if bool(padded.any()) else None), False
-    query_row_padded = padded[:, :, None] if n == m else torch.zeros(batch, n, 1, dtype=torch.bool)
+    query_row_padded = padded[:, :, None] if n == m else torch.zeros(batch, n, 1, dtype=torch.bool, device=mask.device)
     if n == m:
         causal = torch.ones(n, m, dtype=torch.bool, device=mask.device).tril()
         expected = causal[None] & keep[:, None, :]
