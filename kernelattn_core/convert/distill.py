@@ -243,9 +243,10 @@ class _Bar:
         if not self.enabled:
             return
         try:
+            from rich.console import Console
             from rich.progress import Progress
 
-            self._rich = Progress(transient=False)
+            self._rich = Progress(console=Console(stderr=True), transient=False)
             self._rich.start()
             self._task = self._rich.add_task(label, total=total)
         except ImportError:  # pragma: no cover - rich is optional
