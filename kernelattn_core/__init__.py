@@ -3,6 +3,7 @@
 Public vocabulary
 -----------------
 :func:`create`, :func:`list_plugins`, :func:`kernel_attention`, :class:`KernelAttention`,
+:func:`convert_attention`, :func:`distill_attention`,
 :data:`hookimpl`, and the interfaces :class:`Kernel`, :class:`FeatureMap`,
 :class:`Normalizer`, :class:`AttentionEstimator`.
 """
@@ -24,6 +25,8 @@ _LAZY = {
     "SignedRowNormalizer": "builtins",
     "SoftmaxKernel": "builtins",
     "kernel_attention": "engine",
+    "convert_attention": "convert",
+    "distill_attention": "convert",
     "AttentionEstimator": "interfaces",
     "DotProductKernel": "interfaces",
     "FeatureMap": "interfaces",
@@ -48,6 +51,7 @@ if TYPE_CHECKING:
         SignedRowNormalizer,
         SoftmaxKernel,
     )
+    from .convert import convert_attention, distill_attention
     from .engine import kernel_attention
     from .interfaces import (
         AttentionEstimator,
@@ -85,7 +89,9 @@ __all__ = [
     "SignedRowNormalizer",
     "SoftmaxKernel",
     "UnknownNameError",
+    "convert_attention",
     "create",
+    "distill_attention",
     "get_registry",
     "hookimpl",
     "kernel_attention",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,16 +14,48 @@ from .errors import InputError
 from .validation import check_positive_int, check_tensor
 
 
+@dataclass
+class KVCache:
+    """Decoding state of :meth:`KernelAttention.step` for estimators without a ``step``
+    of their own: the keys, values and padding seen so far (the output of each new
+    position is recomputed from them, quadratic per token).
+
+    Attributes
+    ----------
+    q, k, v : Tensor ``[B, H, L, d]``
+        Every position consumed so far.
+    key_padding_mask : Tensor ``[B, L]`` of bool, optional
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    key_padding_mask: torch.Tensor | None
+
+    @property
+    def length(self) -> int:
+        """Number of positions consumed."""
+        return self.k.shape[2]
+
+
 class KernelAttention(nn.Module):
     """Multi-head self or cross attention whose attention step is any estimator.
 
-    A drop-in for the common uses of :class:`torch.nn.MultiheadAttention`: the same
-    projections, the same ``key_padding_mask`` convention (``True`` = padded), and a
-    ``(output, None)`` return so ``out, _ = attn(x, x, x)`` keeps working. Attention
-    weights are never formed by linear estimators, so the second element is always
-    ``None``.
+    A drop-in for :class:`torch.nn.MultiheadAttention` wherever it is used without
+    attention weights, inside :class:`torch.nn.TransformerEncoderLayer` and
+    :class:`torch.nn.TransformerDecoderLayer` included (their fused fast path is
+    skipped: ``_qkv_same_embed_dim`` is ``False`` and there is no ``in_proj_weight``).
+    The same projections, the same ``key_padding_mask`` convention (``True`` = padded,
+    or the additive ``0``/``-inf`` float form), and a ``(output, None)`` return so
+    ``out, _ = attn(x, x, x)`` keeps working. Attention weights are never formed by
+    linear estimators: ``need_weights=True`` is an error, not a silent ``None``.
 
     .. math:: \\mathrm{out} = W_o\\,\\mathrm{concat}_h\\big(\\mathrm{Att}_h(W_q^h x_q, W_k^h x_k, W_v^h x_v)\\big)
+
+    Pretrained weights: :meth:`from_multihead` converts a
+    :class:`~torch.nn.MultiheadAttention`, and :meth:`load_state_dict` accepts its
+    state dict (``in_proj_weight``/``in_proj_bias`` are split into the three
+    projections; the estimator keeps its own state).
 
     Parameters
     ----------
@@ -42,6 +76,8 @@ class KernelAttention(nn.Module):
         Widths of key and value inputs (default ``embed_dim``).
     **estimator_options
         Passed to :func:`create` (``num_features``, ``redraw_every``, ``seed``, ...).
+        ``head_dim`` and ``num_heads`` are added when the estimator (or feature map)
+        accepts them.
 
     Examples
     --------
@@ -51,6 +87,14 @@ class KernelAttention(nn.Module):
     >>> out.shape
     torch.Size([2, 10, 32])
     """
+
+    #: read by nn.TransformerEncoder(Layer): separate projections, so no fused fast path
+    _qkv_same_embed_dim = False
+    #: no packed input projection (nn.MultiheadAttention's fast-path tensors)
+    in_proj_weight = None
+    in_proj_bias = None
+    #: attention-probability dropout is not applied (no weights are formed)
+    dropout = 0.0
 
     def __init__(
         self,
@@ -81,13 +125,55 @@ class KernelAttention(nn.Module):
         self.k_proj = nn.Linear(self.kdim, embed_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(self.vdim, embed_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        options = dict(estimator_options)
-        if "head_dim" not in options and _accepts_head_dim(estimator):
-            options["head_dim"] = self.head_dim
-        self.estimator = create(estimator, **options)
+        self.estimator_name = estimator
+        self.estimator = build_estimator(estimator, self.head_dim, num_heads, estimator_options)
         if device is not None or dtype is not None:
             self.estimator.to(device=device, dtype=dtype)
+        self.register_load_state_dict_pre_hook(_load_multihead_state)
 
+    # ------------------------------------------------------------------ conversion
+    @classmethod
+    def from_multihead(cls, mha: nn.MultiheadAttention, estimator: str = "softmax", **options: Any) -> KernelAttention:
+        """A :class:`KernelAttention` with the weights of ``mha`` (which is left untouched).
+
+        Parameters
+        ----------
+        mha : torch.nn.MultiheadAttention
+            Its width, heads, ``batch_first``, ``kdim``/``vdim``, bias, dtype and device
+            are carried over, and its projection weights copied.
+        estimator : str
+            Registry name (see :func:`create`).
+        **options
+            ``causal`` and estimator options (``num_features``, ``seed``, ...).
+
+        Raises
+        ------
+        InputError
+            For ``add_bias_kv`` or ``add_zero_attn``, which add a key no kernelized
+            estimator models.
+        """
+        if not isinstance(mha, nn.MultiheadAttention):
+            raise InputError(f"mha: expected a torch.nn.MultiheadAttention, got {type(mha).__name__}")
+        if mha.bias_k is not None or mha.add_zero_attn:
+            raise InputError("mha: add_bias_kv and add_zero_attn are not supported by kernelized attention")
+        ref = mha.out_proj.weight
+        out = cls(
+            mha.embed_dim,
+            mha.num_heads,
+            estimator,
+            batch_first=mha.batch_first,
+            bias=mha.in_proj_bias is not None,
+            kdim=mha.kdim,
+            vdim=mha.vdim,
+            device=ref.device,
+            dtype=ref.dtype,
+            **options,
+        )
+        out.load_state_dict(mha.state_dict())
+        out.train(mha.training)
+        return out
+
+    # ------------------------------------------------------------------ forward
     def forward(
         self,
         query: torch.Tensor,
@@ -96,6 +182,7 @@ class KernelAttention(nn.Module):
         key_padding_mask: torch.Tensor | None = None,
         need_weights: bool = False,
         attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
         is_causal: bool | None = None,
     ) -> tuple[torch.Tensor, None]:
         """Attend ``query`` to ``key``/``value`` (self-attention when they are ``None``).
@@ -105,13 +192,19 @@ class KernelAttention(nn.Module):
         query : Tensor ``[B, N, E]`` (``[N, B, E]`` when not ``batch_first``)
         key : Tensor ``[B, M, kdim]``, optional
         value : Tensor ``[B, M, vdim]``, optional
-        key_padding_mask : Tensor ``[B, M]`` of bool, optional
-            ``True`` marks padding.
+        key_padding_mask : Tensor ``[B, M]``, optional
+            Bool with ``True`` marking padding, or the additive float form (``-inf`` at
+            padding, ``0`` elsewhere) that :class:`~torch.nn.TransformerEncoderLayer`
+            passes on.
         need_weights : bool
-            Accepted for compatibility; weights are never returned (``None``).
-        attn_mask : None
-            Arbitrary masks are not supported (use ``is_causal``); anything but
-            ``None`` is an error rather than being silently ignored.
+            Must be ``False``: linear estimators never form the weights.
+        attn_mask : Tensor ``[N, M]`` or ``[B * num_heads, N, M]``, optional
+            Only the causal mask is accepted (``True``/``-inf`` above the diagonal, as
+            :meth:`torch.nn.Transformer.generate_square_subsequent_mask` makes it); it
+            is read as ``causal=True``. An all-allowed mask is ignored; any other mask is
+            an error rather than being silently dropped.
+        average_attn_weights : bool
+            Accepted for signature compatibility (no weights are returned).
         is_causal : bool, optional
             Overrides the module's ``causal`` flag for this call.
 
@@ -120,10 +213,30 @@ class KernelAttention(nn.Module):
         (Tensor, None)
             The output, shaped like ``query``, and ``None`` in place of weights.
         """
-        if attn_mask is not None:
+        q, k, v, kpm, causal = self.attention_inputs(
+            query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+        )
+        out = self.estimator(q, k, v, causal=causal, key_padding_mask=kpm)  # [B, H, N, Dh]
+        return self._merge(out), None
+
+    def attention_inputs(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
+        """What the estimator of :meth:`forward` gets for the same arguments:
+        ``q [B, H, N, d]``, ``k [B, H, M, d]``, ``v [B, H, M, d]``, the boolean
+        ``key_padding_mask [B, M]`` and the causal flag (used by fitting)."""
+        if need_weights:
             raise InputError(
-                "attn_mask: only None is supported (kernelized estimators take causal=True and "
-                f"key_padding_mask), got a tensor of shape {tuple(attn_mask.shape)}"
+                "need_weights: kernelized attention never forms the attention weights; "
+                "call with need_weights=False (the second output is None)"
             )
         key = query if key is None else key
         value = key if value is None else value
@@ -139,18 +252,165 @@ class KernelAttention(nn.Module):
             raise InputError(f"value: expected [B, M] = {list(key.shape[:2])} as key, got {list(value.shape[:2])}")
         if key.shape[0] != b:
             raise InputError(f"key: expected batch size {b} as query, got {key.shape[0]}")
+        kpm = bool_key_padding_mask(key_padding_mask, b, m)
+        mask_causal = causal_from_attn_mask(attn_mask, n, m, b * self.num_heads)
+        causal = self.causal if is_causal is None else bool(is_causal)
+        if attn_mask is not None:
+            if is_causal and not mask_causal:
+                raise InputError("is_causal: True was given with an attn_mask that is not the causal mask")
+            causal = mask_causal or (is_causal is True)
         q = self.q_proj(query).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, N, Dh]
         k = self.k_proj(key).view(b, m, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, M, Dh]
         v = self.v_proj(value).view(b, m, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, M, Dh]
-        causal = self.causal if is_causal is None else is_causal
-        out = self.estimator(q, k, v, causal=causal, key_padding_mask=key_padding_mask)  # [B, H, N, Dh]
+        k, v = zero_padded(k, v, kpm)
+        return q, k, v, kpm, causal
+
+    def _merge(self, out: torch.Tensor) -> torch.Tensor:
+        b, _, n, _ = out.shape
         out = self.out_proj(out.transpose(1, 2).reshape(b, n, self.embed_dim))
-        if not self.batch_first:
-            out = out.transpose(0, 1)
-        return out, None
+        return out if self.batch_first else out.transpose(0, 1)
+
+    # ------------------------------------------------------------------ decoding
+    def step(
+        self,
+        x: torch.Tensor,
+        state: Any = None,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, Any]:
+        """Causal self-attention of the next ``T`` positions given the earlier ones (decoding).
+
+        Parameters
+        ----------
+        x : Tensor ``[B, T, E]`` (``[T, B, E]`` when not ``batch_first``)
+            The new positions (``T = 1`` token by token).
+        state : optional
+            What the previous call returned; ``None`` starts a sequence.
+        key_padding_mask : Tensor ``[B, T]`` of bool, optional
+            Padding among the new positions.
+
+        Returns
+        -------
+        out : Tensor shaped like ``x``
+            Equal to the last ``T`` positions of ``forward(whole_sequence, is_causal=True)``.
+        state
+            The estimator's running state (constant size for feature-map estimators,
+            whose ``step`` is used), or a :class:`KVCache` for estimators without one
+            (their output is recomputed over the cache: quadratic per token).
+        """
+        check_tensor("x", x, 3, "[B, T, E]" if self.batch_first else "[T, B, E]")
+        if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
+            raise InputError("step: decoding is self-attention; this module has kdim/vdim != embed_dim")
+        if x.shape[-1] != self.embed_dim:
+            raise InputError(f"x: expected last dimension {self.embed_dim}, got shape {tuple(x.shape)}")
+        q, k, v, kpm, _ = self.attention_inputs(x, key_padding_mask=key_padding_mask)
+        if hasattr(self.estimator, "step"):
+            out, state = self.estimator.step(q, k, v, state, key_padding_mask=kpm)
+            return self._merge(out), state
+        if state is not None and not isinstance(state, KVCache):
+            raise InputError(f"state: expected None or the KVCache of the previous step, got {type(state).__name__}")
+        if state is not None:
+            masks = None
+            if kpm is not None or state.key_padding_mask is not None:
+                old = state.key_padding_mask
+                old = torch.zeros(q.shape[0], state.length, dtype=torch.bool, device=q.device) if old is None else old
+                new = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device) if kpm is None else kpm
+                masks = torch.cat([old, new], 1)
+            state = KVCache(torch.cat([state.q, q], 2), torch.cat([state.k, k], 2), torch.cat([state.v, v], 2), masks)
+        else:
+            state = KVCache(q, k, v, kpm)
+        out = self.estimator(state.q, state.k, state.v, causal=True, key_padding_mask=state.key_padding_mask)
+        return self._merge(out[:, :, -q.shape[2] :]), state
 
     def extra_repr(self) -> str:
-        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, causal={self.causal}"
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, causal={self.causal}, "
+            f"batch_first={self.batch_first}"
+        )
+
+
+# ---------------------------------------------------------------------- masks
+def zero_padded(
+    k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k, v [B, H, M, d]`` with zeros at padded keys, so that no value there (NaN
+    included: ``0 * nan`` is ``nan``) can reach an output through a masked weight."""
+    if key_padding_mask is None:
+        return k, v
+    pad = key_padding_mask[:, None, :, None]  # [B, 1, M, 1]
+    return k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
+
+
+def bool_key_padding_mask(mask: torch.Tensor | None, batch: int, keys: int) -> torch.Tensor | None:
+    """``key_padding_mask [B, M]`` as bool (``True`` = padded) from the bool or the
+    additive float form (``-inf`` = padded, ``0`` = kept)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise InputError(f"key_padding_mask: expected a tensor of shape [B, M], got {type(mask).__name__}")
+    if tuple(mask.shape) != (batch, keys):
+        raise InputError(f"key_padding_mask: expected shape [B, M] = [{batch}, {keys}], got {list(mask.shape)}")
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_floating_point():
+        padded = torch.isneginf(mask)
+        if not bool(((mask == 0) | padded).all()):
+            raise InputError(
+                "key_padding_mask: a float mask must be additive with 0 (kept) and -inf (padded) only; "
+                "other additive biases cannot be kernelized"
+            )
+        return padded
+    raise InputError(f"key_padding_mask: expected dtype torch.bool or a float additive mask, got {mask.dtype}")
+
+
+def causal_from_attn_mask(attn_mask: torch.Tensor | None, n: int, m: int, batch_heads: int) -> bool:
+    """Whether ``attn_mask`` (``[N, M]`` or ``[B * H, N, M]``, bool ``True`` = not
+    allowed, or additive float ``-inf`` = not allowed) is the causal mask (``True``) or
+    allows everything (``False``); anything else is an :class:`InputError`."""
+    if attn_mask is None:
+        return False
+    if not isinstance(attn_mask, torch.Tensor):
+        raise InputError(f"attn_mask: expected a tensor [N, M] or None, got {type(attn_mask).__name__}")
+    if (
+        attn_mask.dim() not in (2, 3)
+        or tuple(attn_mask.shape[-2:]) != (n, m)
+        or (attn_mask.dim() == 3 and attn_mask.shape[0] != batch_heads)
+    ):
+        raise InputError(
+            f"attn_mask: expected shape [N, M] = [{n}, {m}] or [B * num_heads, N, M], got {list(attn_mask.shape)}"
+        )
+    if attn_mask.dtype == torch.bool:
+        blocked = attn_mask
+    elif attn_mask.is_floating_point():
+        blocked = torch.isneginf(attn_mask)
+        if not bool(((attn_mask == 0) | blocked).all()):
+            raise InputError(
+                "attn_mask: an additive float mask must hold 0 and -inf only; other biases cannot be kernelized"
+            )
+    else:
+        raise InputError(f"attn_mask: expected a bool or float tensor, got dtype {attn_mask.dtype}")
+    if not bool(blocked.any()):
+        return False
+    if n == m:
+        future = torch.ones(n, m, dtype=torch.bool, device=blocked.device).triu(1)
+        if bool((blocked == future).all()):
+            return True
+    raise InputError(
+        "attn_mask: only the causal mask (True or -inf above the diagonal) can be kernelized; "
+        "use key_padding_mask for padding, got another mask"
+    )
+
+
+# ---------------------------------------------------------------------- helpers
+def build_estimator(name: str, head_dim: int, num_heads: int, options: dict[str, Any]) -> nn.Module:
+    """``create(name, **options)`` with ``head_dim`` and ``num_heads`` added when the
+    estimator (or, for a feature-map name, the map) accepts them."""
+    options = dict(options)
+    if "head_dim" not in options and _accepts_head_dim(name):
+        options["head_dim"] = head_dim
+    if "num_heads" not in options and _accepts(name, "num_heads"):
+        options["num_heads"] = num_heads
+    return create(name, **options)
 
 
 def _accepts_head_dim(name: str) -> bool:
@@ -160,7 +420,43 @@ def _accepts_head_dim(name: str) -> bool:
     return entry.kind == "feature_map" or "head_dim" in _init_params(entry.cls)
 
 
-def _init_params(cls: type) -> set[str]:
-    import inspect
+def _accepts(name: str, option: str) -> bool:
+    from .registry import get_registry
 
+    entry = get_registry().get(name)
+    return entry.kind in ("feature_map", "estimator") and option in _init_params(entry.cls)
+
+
+def _init_params(cls: type) -> set[str]:
     return set(inspect.signature(cls.__init__).parameters)
+
+
+def _load_multihead_state(module: KernelAttention, state_dict: dict, prefix: str, *args: Any) -> None:
+    """Load-state-dict pre-hook: read a :class:`torch.nn.MultiheadAttention` state dict.
+
+    ``in_proj_weight [3E, E]`` / ``in_proj_bias [3E]`` (or ``q_proj_weight``,
+    ``k_proj_weight``, ``v_proj_weight`` when ``kdim``/``vdim`` differ) become the three
+    projections; ``out_proj`` has the same keys. Such a dict carries no estimator
+    state, so the estimator keeps its own.
+    """
+    mha_keys = [prefix + k for k in ("in_proj_weight", "q_proj_weight")]
+    if not any(k in state_dict for k in mha_keys):
+        return
+    if prefix + "bias_k" in state_dict:
+        raise InputError("state_dict: add_bias_kv (bias_k, bias_v) is not supported by kernelized attention")
+    e = module.embed_dim
+    if prefix + "in_proj_weight" in state_dict:
+        w = state_dict.pop(prefix + "in_proj_weight")
+        if tuple(w.shape) != (3 * e, e):
+            raise InputError(f"state_dict: in_proj_weight: expected shape [{3 * e}, {e}], got {list(w.shape)}")
+        for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
+            state_dict[f"{prefix}{name}.weight"] = w[i * e : (i + 1) * e]
+    else:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            state_dict[f"{prefix}{name}.weight"] = state_dict.pop(f"{prefix}{name}_weight")
+    if prefix + "in_proj_bias" in state_dict:
+        bias = state_dict.pop(prefix + "in_proj_bias")
+        for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
+            state_dict[f"{prefix}{name}.bias"] = bias[i * e : (i + 1) * e]
+    for key, value in module.estimator.state_dict(prefix=prefix + "estimator.").items():
+        state_dict.setdefault(key, value)

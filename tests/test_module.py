@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import kernelattn_core as ka
+from kernelattn_core.module import KVCache
 
 
 def _copy_weights(mha: nn.MultiheadAttention, ours: ka.KernelAttention) -> None:
@@ -65,7 +66,115 @@ def test_module_errors() -> None:
     with pytest.raises(ka.InputError, match="num_heads: expected a divisor of embed_dim = 10, got 3"):
         ka.KernelAttention(10, 3)
     attn = ka.KernelAttention(8, 2)
-    with pytest.raises(ka.InputError, match="attn_mask: only None is supported"):
-        attn(torch.randn(1, 3, 8), attn_mask=torch.zeros(3, 3))
+    with pytest.raises(ka.InputError, match="attn_mask: only the causal mask"):
+        attn(torch.randn(1, 3, 8), attn_mask=torch.eye(3, dtype=torch.bool))
     with pytest.raises(ka.InputError, match=r"query: expected last dimension 8, got shape \(1, 3, 6\)"):
         attn(torch.randn(1, 3, 6))
+
+
+# ---------------------------------------------------------------------- pretrained MHA, masks, decoding
+def _mha(batch_first: bool = True, **kw) -> nn.MultiheadAttention:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    return nn.MultiheadAttention(16, 4, batch_first=batch_first, dtype=torch.float64, **kw)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+def test_from_multihead_reproduces_mha_with_padding_and_causal_masks(batch_first: bool, mask_kind: str) -> None:
+    mha = _mha(batch_first)
+    before = {k: v.clone() for k, v in mha.state_dict().items()}
+    ours = ka.KernelAttention.from_multihead(mha, "softmax")
+    assert ours.batch_first is batch_first and ours.q_proj.weight.dtype == torch.float64
+    x = torch.randn(3, 7, 16, dtype=torch.float64)
+    x = x if batch_first else x.transpose(0, 1)  # [N, B, E] read as such
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    causal = nn.Transformer.generate_square_subsequent_mask(7, dtype=torch.float64)  # 0 / -inf
+    attn_mask = {"none": None, "bool": torch.isneginf(causal), "float": causal}[mask_kind]
+    # the additive float form of key_padding_mask, as TransformerEncoderLayer passes it
+    fpad = torch.zeros(3, 7, dtype=torch.float64).masked_fill(pad, float("-inf"))
+    mha_pad = fpad if mask_kind == "float" else pad  # torch wants matching mask types
+    ref, _ = mha(x, x, x, key_padding_mask=mha_pad, attn_mask=attn_mask, need_weights=False)
+    out, w = ours(x, x, x, key_padding_mask=pad, attn_mask=attn_mask)
+    assert w is None
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ours(x, key_padding_mask=fpad, attn_mask=attn_mask)[0], ref, rtol=1e-10, atol=1e-12)
+    assert all(torch.equal(before[k], v) for k, v in mha.state_dict().items())  # original untouched
+
+
+def test_from_multihead_with_kdim_vdim_and_no_bias() -> None:
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(12, 3, kdim=5, vdim=7, bias=False, batch_first=True, dtype=torch.float64)
+    ours = ka.KernelAttention.from_multihead(mha)
+    q, k, v = (torch.randn(2, n, e, dtype=torch.float64) for n, e in ((4, 12), (6, 5), (6, 7)))
+    torch.testing.assert_close(ours(q, k, v)[0], mha(q, k, v, need_weights=False)[0], rtol=1e-10, atol=1e-12)
+    assert ours.q_proj.bias is None
+
+
+def test_load_multihead_state_dict_keeps_the_estimators_state() -> None:
+    mha = _mha()
+    ours = ka.KernelAttention(16, 4, "prf", num_features=8, dtype=torch.float64)
+    omega = ours.estimator.feature_map.omega.clone()
+    ours.load_state_dict(mha.state_dict())  # strict: MHA keys mapped, estimator keys kept
+    assert torch.equal(ours.estimator.feature_map.omega, omega)
+    torch.testing.assert_close(ours.q_proj.weight, mha.in_proj_weight[:16])
+    torch.testing.assert_close(ours.v_proj.bias, mha.in_proj_bias[32:])
+    torch.testing.assert_close(ours.out_proj.weight, mha.out_proj.weight)
+    with pytest.raises(ka.InputError, match="add_bias_kv"):
+        ka.KernelAttention.from_multihead(_mha(add_bias_kv=True))
+
+
+def test_refusals_name_the_argument() -> None:
+    attn = ka.KernelAttention(8, 2)
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(ka.InputError, match="need_weights: kernelized attention never forms"):
+        attn(x, x, x, need_weights=True)
+    with pytest.raises(ka.InputError, match="is_causal: True was given with an attn_mask"):
+        attn(x, attn_mask=torch.zeros(3, 3, dtype=torch.bool), is_causal=True)
+    with pytest.raises(ka.InputError, match="attn_mask: an additive float mask must hold 0 and -inf only"):
+        attn(x, attn_mask=torch.full((3, 3), 0.5))
+    with pytest.raises(ka.InputError, match="key_padding_mask: a float mask must be additive"):
+        attn(x, key_padding_mask=torch.full((2, 3), -1.0))
+    with pytest.raises(ka.InputError, match=r"key_padding_mask: expected shape \[B, M\] = \[2, 3\]"):
+        attn(x, key_padding_mask=torch.zeros(3, 2, dtype=torch.bool))
+    # an all-allowed mask is no mask; is_causal=True alone is causal
+    torch.testing.assert_close(attn(x, attn_mask=torch.zeros(3, 3))[0], attn(x)[0])
+    causal = torch.ones(3, 3, dtype=torch.bool).triu(1)
+    torch.testing.assert_close(attn(x, is_causal=True)[0], attn(x, attn_mask=causal)[0])
+    assert not torch.allclose(attn(x, is_causal=True)[0], attn(x)[0])
+
+
+@pytest.mark.parametrize("estimator", ["softmax", "elu"])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_step_decodes_like_the_causal_forward(estimator: str, batch_first: bool) -> None:
+    torch.manual_seed(0)
+    attn = ka.KernelAttention(16, 4, estimator, batch_first=batch_first, dtype=torch.float64).eval()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[1, 2] = True
+    seq = x if batch_first else x.transpose(0, 1)
+    full, _ = attn(seq, key_padding_mask=pad, is_causal=True)
+    state, outs = None, []
+    for t in range(6):
+        xt = x[:, t : t + 1] if batch_first else x[:, t : t + 1].transpose(0, 1)
+        out, state = attn.step(xt, state, key_padding_mask=pad[:, t : t + 1])
+        outs.append(out)
+    steps = torch.cat(outs, 1 if batch_first else 0)
+    torch.testing.assert_close(steps, full, rtol=1e-9, atol=1e-11)
+    if estimator == "softmax":
+        assert isinstance(state, KVCache) and state.length == 6
+
+
+def test_transformer_encoder_accepts_kernel_attention_as_self_attn() -> None:
+    """The issue's AttributeError: nn.TransformerEncoder reads self_attn._qkv_same_embed_dim."""
+    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, batch_first=True)
+    layer.self_attn = ka.KernelAttention(16, 4, "elu")
+    with pytest.warns(UserWarning, match="_qkv_same_embed_dim was not True"):
+        encoder = nn.TransformerEncoder(layer, 2)
+    encoder.eval()
+    x = torch.randn(2, 5, 16)
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[0, 3:] = True
+    with torch.no_grad():
+        out = encoder(x, src_key_padding_mask=pad)
+    assert out.shape == (2, 5, 16) and torch.isfinite(out).all()

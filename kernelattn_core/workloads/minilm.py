@@ -373,3 +373,30 @@ def batched(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
     """Consecutive slices of ``items`` of length ``size`` (the last may be shorter)."""
     for start in range(0, len(items), size):
         yield items[start : start + size]
+
+
+@torch.no_grad()
+def embedding_cosine(
+    reference: torch.nn.Module,
+    other: torch.nn.Module,
+    tokenizer: Any,
+    texts: Sequence[str],
+    *,
+    batch_size: int = 32,
+    max_length: int = 128,
+) -> float:
+    """Mean cosine similarity between the sentence embeddings (mean pooling of the last
+    hidden state) of ``other`` and of ``reference`` over ``texts``, padded in batches of
+    ``batch_size`` (so masks are exercised)."""
+    if not texts:
+        raise InputError("texts: expected at least one sentence to embed, got none")
+    total = 0.0
+    for chunk in batched(list(texts), batch_size):
+        enc = tokenizer(list(chunk), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+        batch = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+        device = next(reference.parameters()).device
+        batch = {k: v.to(device) for k, v in batch.items()}
+        a = mean_pool(reference(**batch).last_hidden_state, batch["attention_mask"])
+        b = mean_pool(other(**batch).last_hidden_state, batch["attention_mask"])
+        total += float(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1).sum())
+    return total / len(texts)

@@ -1,0 +1,415 @@
+"""Fit the learnable parameters of converted attention layers to the teacher's softmax.
+
+Every estimator is linear in the values, so its attention rows are the output for
+one-hot values: :math:`\\hat P = \\mathrm{est}(Q, K, I_M)` (``[B, H, N, M]``), whatever
+the estimator. The teacher's rows are :math:`P = \\mathrm{softmax}(QK^\\top/\\sqrt d)`
+over the allowed keys. Losses (per query row, averaged):
+
+* ``"ce"``: cross-entropy :math:`-\\sum_j P_{ij} \\log \\max(\\hat P_{ij}, \\epsilon)`,
+  reported as the KL divergence :math:`\\mathrm{KL}(P \\| \\hat P)` (the same gradient);
+* ``"mse"``: relative output error :math:`\\|\\hat o - o\\|^2 / \\|o\\|^2` with
+  :math:`o = PV`, :math:`\\hat o = \\mathrm{est}(Q, K, V)`.
+
+Layers are fitted independently: each layer's ``q, k, v`` come from the *teacher* on
+the same inputs (captured once, with forward pre-hooks), so an error in layer ``i``
+does not move the target of layer ``i + 1``. Only the estimator's parameters are
+trained (Adam); the projections stay the teacher's. Random draws are frozen during
+fitting (the estimator runs in eval mode), so a fixed ``seed`` gives the same fit.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import InputError
+from ..validation import check_choice, check_positive_int
+
+_EPS = 1e-12
+
+
+@dataclass
+class LayerReport:
+    """The fit of one converted layer.
+
+    Attributes
+    ----------
+    layer : int
+    name : str
+        Module name in the model.
+    parameters : int
+        Number of trained scalars (0: nothing to fit; only calibration, if any, ran).
+    loss_before, loss_after : float
+        The loss (KL for ``"ce"``, relative squared error for ``"mse"``) over every
+        query row of the fitting data, before and after.
+    error_before, error_after : float
+        Output relative error :math:`\\|\\hat o - o\\|_F / \\|o\\|_F` on the fitting data.
+    seconds : float
+    restored : bool
+        The fit made the loss worse (a diverging signed estimator), so the
+        parameters it started from were put back (``loss_after == loss_before``).
+    """
+
+    layer: int
+    name: str
+    parameters: int
+    loss_before: float
+    loss_after: float
+    error_before: float
+    error_after: float
+    seconds: float
+    restored: bool = False
+
+
+@dataclass
+class DistillReport:
+    """What :func:`distill_attention` did: one :class:`LayerReport` per layer."""
+
+    loss: str
+    steps: int
+    layers: list[LayerReport] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def records(self) -> list[dict[str, Any]]:
+        """One dict per layer (for tables and JSON)."""
+        return [asdict(r) for r in self.layers]
+
+
+@dataclass
+class _Layer:
+    q: list[torch.Tensor]  # each [1, H, N, d]
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    kpm: list[torch.Tensor | None]  # each [1, N] bool
+    causal: bool
+
+
+def _batches(batches: Any) -> list[Any]:
+    if isinstance(batches, dict | torch.Tensor):
+        return [batches]
+    return list(batches)
+
+
+def _call(model: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, tuple | list):
+        return model(*batch)
+    return model(batch)
+
+
+_DROP = ("need_weights", "output_attentions", "average_attn_weights")
+
+
+@torch.no_grad()
+def capture_layers(student: nn.Module, teacher: nn.Module, batches: Iterable[Any]) -> dict[str, _Layer]:
+    """Per converted layer of ``student``: the ``q, k, v`` and masks the *teacher's*
+    module of the same name sees on ``batches`` (projected by the student's module,
+    whose projections are the teacher's)."""
+    from . import converted_modules
+
+    modules = converted_modules(student)
+    if not modules:
+        raise InputError("student: no converted attention layer (use convert_attention first)")
+    seen: dict[str, list[tuple[tuple, dict]]] = {name: [] for name, _ in modules}
+    handles = []
+    for name, _ in modules:
+        try:
+            target = teacher.get_submodule(name)
+        except AttributeError as err:
+            raise InputError(f"teacher: has no module {name!r}; pass the model that was converted") from err
+
+        def hook(_m: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
+            seen[name].append((args, {k: v for k, v in kwargs.items() if k not in _DROP}))
+
+        handles.append(target.register_forward_pre_hook(hook, with_kwargs=True))
+    was_training = teacher.training
+    teacher.eval()
+    fast = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        for batch in _batches(batches):
+            _call(teacher, batch)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast)
+        teacher.train(was_training)
+        for h in handles:
+            h.remove()
+    out = {}
+    for name, module in modules:
+        if not seen[name]:
+            raise InputError(f"teacher: module {name!r} was never called on the batches")
+        layer = _Layer([], [], [], [], False)
+        for args, kwargs in seen[name]:
+            q, k, v, kpm, causal = module.attention_inputs(*args, **kwargs)
+            layer.causal = causal
+            for b in range(q.shape[0]):
+                layer.q.append(q[b : b + 1])
+                layer.k.append(k[b : b + 1])
+                layer.v.append(v[b : b + 1])
+                layer.kpm.append(None if kpm is None else kpm[b : b + 1])
+        out[name] = layer
+    return out
+
+
+def _teacher_rows(q: torch.Tensor, k: torch.Tensor, kpm: torch.Tensor | None, causal: bool, rows: Any) -> torch.Tensor:
+    """Softmax attention rows ``[1, H, R, M]`` of the queries ``rows``."""
+    logits = (q[:, :, rows] @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [1, H, R, M]
+    if kpm is not None:
+        logits = logits.masked_fill(kpm[:, None, None, :], float("-inf"))
+    if causal:
+        n = q.shape[2]
+        idx = torch.arange(n, device=q.device)[rows]
+        logits = logits.masked_fill(torch.arange(k.shape[2], device=q.device)[None, :] > idx[:, None], float("-inf"))
+    return torch.softmax(logits, -1)
+
+
+def _student_rows(est: nn.Module, q, k, kpm, causal, rows, values):  # type: ignore[no-untyped-def]
+    """The student's output ``[1, H, R, dv]`` at the query rows ``rows``. Every query
+    enters the estimator (position-aware estimators such as a sliding window need
+    query ``i`` at position ``i``); only the loss is restricted to ``rows``."""
+    return est(q, k, values, causal=causal, key_padding_mask=kpm)[:, :, rows]
+
+
+def _loss(est, layer: _Layer, i: int, rows: Any, loss: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    q, k, v, kpm = layer.q[i], layer.k[i], layer.v[i], layer.kpm[i]
+    p = _teacher_rows(q, k, kpm, layer.causal, rows)  # [1, H, R, M]
+    if loss == "ce":
+        m = k.shape[2]
+        eye = torch.eye(m, dtype=q.dtype, device=q.device).expand(1, q.shape[1], m, m)
+        p_hat = _student_rows(est, q, k, kpm, layer.causal, rows, eye)  # [1, H, R, M]
+        log_p = torch.where(p > 0, p, torch.ones_like(p)).log()
+        kl = (p * (log_p - p_hat.clamp_min(_EPS).log())).sum(-1)  # [1, H, R]
+        return kl.mean()
+    target = p @ v  # [1, H, R, dv]
+    out = _student_rows(est, q, k, kpm, layer.causal, rows, v)
+    return ((out - target) ** 2).sum() / (target**2).sum().clamp_min(_EPS)
+
+
+def _valid_rows(layer: _Layer, i: int) -> torch.Tensor:
+    kpm = layer.kpm[i]
+    n = layer.q[i].shape[2]
+    if kpm is None or kpm.shape[1] != n:
+        return torch.arange(n)
+    return torch.nonzero(~kpm[0].cpu()).flatten()
+
+
+@torch.no_grad()
+def _evaluate(est: nn.Module, layer: _Layer, loss: str) -> tuple[float, float]:
+    """(loss over every valid query row, output relative error) on the layer's data."""
+    total, count, num, den = 0.0, 0, 0.0, 0.0
+    for i in range(len(layer.q)):
+        rows = _valid_rows(layer, i)
+        total += float(_loss(est, layer, i, rows, loss)) * len(rows)
+        count += len(rows)
+        q, k, v, kpm = layer.q[i], layer.k[i], layer.v[i], layer.kpm[i]
+        ref = _teacher_rows(q, k, kpm, layer.causal, rows) @ v
+        out = _student_rows(est, q, k, kpm, layer.causal, rows, v)
+        num += float(((out - ref) ** 2).sum())
+        den += float((ref**2).sum())
+    return total / max(count, 1), math.sqrt(num / max(den, _EPS))
+
+
+def _calibrate(est: nn.Module, layer: _Layer) -> None:
+    """Data-adapted maps (CEXP's :math:`A`) take their statistics from the fitting data."""
+    fm = getattr(est, "feature_map", None)
+    if fm is None or not callable(getattr(fm, "fit", None)) or not hasattr(est, "transform"):
+        return
+    xs, ys = [], []
+    for i in range(len(layer.q)):
+        x, y = est.transform(layer.q[i], layer.k[i])  # [1, H, N, d]
+        rows = _valid_rows(layer, i)
+        xs.append(x[:, :, rows].reshape(-1, x.shape[-1]))
+        ys.append(y[:, :, rows].reshape(-1, y.shape[-1]))
+    with torch.no_grad():
+        fm.fit(torch.cat(xs), torch.cat(ys))
+
+
+class _Bar:
+    """A progress bar: ``rich`` when installed, else the core's plain one; silent
+    unless enabled (by default when stderr is a terminal)."""
+
+    def __init__(self, total: int, label: str, enabled: bool | None) -> None:
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self._rich = None
+        self._plain = None
+        if not self.enabled:
+            return
+        try:
+            from rich.console import Console
+            from rich.progress import Progress
+
+            self._rich = Progress(console=Console(stderr=True), transient=False)
+            self._rich.start()
+            self._task = self._rich.add_task(label, total=total)
+        except ImportError:  # pragma: no cover - rich is optional
+            from ..cli.progress import Progress as Plain
+
+            self._plain = Plain(total, label).__enter__()
+
+    def advance(self, note: str = "") -> None:
+        if self._rich is not None:
+            self._rich.update(self._task, advance=1, description=note or None)
+        elif self._plain is not None:
+            self._plain.advance(note)
+
+    def close(self) -> None:
+        if self._rich is not None:
+            self._rich.stop()
+        elif self._plain is not None:
+            self._plain.__exit__(None, None, None)
+
+
+def distill_attention(
+    student: nn.Module,
+    teacher: nn.Module,
+    batches: Iterable[Any] | dict[str, torch.Tensor] | torch.Tensor,
+    *,
+    steps: int = 200,
+    lr: float = 1e-2,
+    loss: str = "ce",
+    rows: int = 128,
+    seed: int = 0,
+    progress: bool | None = None,
+) -> DistillReport:
+    """Fit every converted layer of ``student`` to the softmax attention of ``teacher``.
+
+    Parameters
+    ----------
+    student : nn.Module
+        The output of :func:`~kernelattn_core.convert.convert_attention` (changed in place).
+    teacher : nn.Module
+        The model that was converted (softmax attention); only run, never changed.
+    batches : iterable
+        Inputs of the teacher: dicts of keyword arguments (``input_ids``,
+        ``attention_mask`` for Hugging Face models), tuples of positional arguments, or
+        tensors. Every sequence of every batch is one fitting example.
+    steps : int
+        Adam steps per layer; each step takes one sequence (in turn); every query
+        enters the estimator and ``rows`` random valid query rows enter the loss.
+    lr : float
+        Adam learning rate.
+    loss : {"ce", "mse"}
+        Cross-entropy between attention rows (reported as KL), or relative output
+        MSE. For signed estimators (rows that can be negative) ``"mse"`` is the
+        meaningful one.
+    rows : int
+        Query rows in the loss of each step (the teacher's rows are formed only for
+        them).
+    seed : int
+        Seed of the row sampling.
+    progress : bool, optional
+        Progress bar on stderr (default: when stderr is a terminal).
+
+    Returns
+    -------
+    DistillReport
+        Per layer: loss and output relative error before and after, seconds.
+
+    Notes
+    -----
+    Estimators without trainable parameters are only evaluated (and calibrated, for
+    data-adapted maps such as CEXP, whose :math:`A` is set from the fitting data by
+    the map's ``fit``). The estimator runs in eval mode during fitting (frozen draws)
+    and is left in the mode it had.
+    """
+    check_positive_int("steps", steps, minimum=0)
+    check_positive_int("rows", rows)
+    check_choice("loss", loss, ("ce", "mse"))
+    if isinstance(lr, bool) or not isinstance(lr, int | float) or not lr > 0:
+        raise InputError(f"lr: expected a positive number, got {lr!r}")
+    start = time.perf_counter()
+    from . import converted_modules
+
+    layers = capture_layers(student, teacher, batches)
+    modules = dict(converted_modules(student))
+    report = DistillReport(loss=loss, steps=steps)
+    gen = torch.Generator().manual_seed(seed)
+    bar = _Bar(steps * len(layers), "fitting", progress)
+    try:
+        for index, (name, layer) in enumerate(layers.items()):
+            t0 = time.perf_counter()
+            est = modules[name].estimator
+            was_training = est.training
+            est.eval()
+            _calibrate(est, layer)
+            before = _evaluate(est, layer, loss)
+            params = [p for p in est.parameters() if p.requires_grad]
+            start_state = {k: v.detach().clone() for k, v in est.state_dict().items()}
+            if params and steps:
+                opt = torch.optim.Adam(params, lr=lr)
+                for step in range(steps):
+                    i = step % len(layer.q)
+                    valid = _valid_rows(layer, i)
+                    pick = valid[torch.randperm(len(valid), generator=gen)[:rows]].sort().values
+                    value = _loss(est, layer, i, pick, loss)
+                    opt.zero_grad()
+                    value.backward()
+                    opt.step()
+                    bar.advance(f"layer {index} {loss} {value.item():.4f}")
+            else:
+                for _ in range(steps):
+                    bar.advance(f"layer {index} (nothing to fit)")
+            after = _evaluate(est, layer, loss)
+            restored = not after[0] <= before[0]  # NaN included
+            if restored:
+                est.load_state_dict(start_state)
+                after = before
+            est.train(was_training)
+            report.layers.append(
+                LayerReport(
+                    layer=index,
+                    name=name,
+                    parameters=sum(p.numel() for p in params),
+                    loss_before=before[0],
+                    loss_after=after[0],
+                    error_before=before[1],
+                    error_after=after[1],
+                    seconds=time.perf_counter() - t0,
+                    restored=restored,
+                )
+            )
+    finally:
+        bar.close()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+@torch.no_grad()
+def output_errors(student: nn.Module, teacher: nn.Module, batches: Iterable[Any]) -> list[dict[str, Any]]:
+    """Per converted layer, the output relative error :math:`\\|\\hat o - o\\|_F / \\|o\\|_F`
+    of the student's estimator against the teacher's softmax attention, on the
+    teacher's ``q, k, v`` for ``batches`` (valid query rows only; random draws frozen).
+
+    Returns
+    -------
+    list of dict
+        ``{"layer", "name", "output_rel_error"}`` in layer order.
+    """
+    from . import converted_modules
+
+    layers = capture_layers(student, teacher, batches)
+    modules = dict(converted_modules(student))
+    out = []
+    for index, (name, layer) in enumerate(layers.items()):
+        est = modules[name].estimator
+        was_training = est.training
+        est.eval()
+        num = den = 0.0
+        for i in range(len(layer.q)):
+            rows = _valid_rows(layer, i)
+            q, k, v, kpm = layer.q[i], layer.k[i], layer.v[i], layer.kpm[i]
+            ref = _teacher_rows(q, k, kpm, layer.causal, rows) @ v
+            got = _student_rows(est, q, k, kpm, layer.causal, rows, v)
+            num += float(((got - ref) ** 2).sum())
+            den += float((ref**2).sum())
+        est.train(was_training)
+        out.append({"layer": index, "name": name, "output_rel_error": math.sqrt(num / max(den, _EPS))})
+    return out
