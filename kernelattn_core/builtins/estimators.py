@@ -163,8 +163,9 @@ class FeatureMapAttention(AttentionEstimator):
         in eval mode. See :class:`~kernelattn_core.redraw.RedrawPolicy`.
     seed : int, optional
         Seed of the redraw policy.
-    chunk_size : int
-        Chunk length of the causal form.
+    chunk_size : int, optional
+        Chunk length of the causal form; ``None`` (the default) takes the engine's
+        measured default.
     backend : str, optional
         Force a backend by name (``"torch"``); the fastest available by default.
     scale : float, optional
@@ -187,7 +188,7 @@ class FeatureMapAttention(AttentionEstimator):
         head_dim: int | None = None,
         redraw_every: int = 0,
         seed: int | None = None,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         backend: str | None = None,
         scale: float | None = None,
         **feature_map_options: Any,
@@ -214,7 +215,7 @@ class FeatureMapAttention(AttentionEstimator):
         else:
             self.normalizer = registry.normalizer(normalizer)()
         self.redraw_policy = RedrawPolicy(redraw_every, seed)
-        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        self.chunk_size = None if chunk_size is None else check_positive_int("chunk_size", chunk_size)
         self.backend = backend
         if head_dim is not None:
             self.redraw_policy.initial(self.feature_map, head_dim)

@@ -58,8 +58,9 @@ from __future__ import annotations
 import torch
 
 #: chunk length used when the caller passes ``chunk_size=None``; chosen by measurement
-#: (forward + backward of PRF attention, D = 128, d_v = 64, on a 2-core CPU: 64 beat
-#: 32 and 128 by 5-20 %).
+#: (PRF log-features, D = 128, d_v = 64, N = 4096, one thread, forward and forward +
+#: backward interleaved on a shared 2-core CPU: 32 and 64 within noise of each other,
+#: 128 slower by 15-30 %; ``tests/benchmarks`` re-measures it).
 DEFAULT_CHUNK = 64
 
 
@@ -115,8 +116,10 @@ def _stabilisers(
 
 
 #: positions per group: chunks are processed in groups of this many positions so that
-#: the transient work space (``C x C`` blocks, chunk states) stays bounded in ``N``
-GROUP = 1024
+#: the transient work space (``C x C`` blocks, chunk states) stays bounded in ``N``.
+#: Slicing a group out of ``[B, H, N, D]`` makes the batched products copy their
+#: operands, so groups are large (forward 25 % faster than groups of 1024 at N = 4096).
+GROUP = 4096
 
 
 class _Block:
