@@ -75,7 +75,7 @@ def _scan(u: torch.Tensor, decay: torch.Tensor | None, s0: torch.Tensor) -> tupl
     if decay is None:  # plain features: a cumulative sum
         inclusive = u.cumsum_(2).add_(s0.unsqueeze(2))
         return torch.cat([s0.unsqueeze(2), inclusive[:, :, :-1]], dim=2), inclusive[:, :, -1].clone()
-    states = torch.zeros_like(u)
+    states = torch.empty_like(u)  # every chunk is written below
     cur = s0
     for c in range(u.shape[2]):  # n_c small updates, no autograd inside
         states[:, :, c] = cur
@@ -92,7 +92,7 @@ def _reverse_scan(
         tail = w.flip(2).cumsum(2).flip(2)  # tail[c] = sum_{c' >= c} W_c'
         g = torch.cat([tail[:, :, 1:], torch.zeros_like(tail[:, :, :1])], dim=2).add_(s_bar.unsqueeze(2))
         return g, tail[:, :, 0] + s_bar
-    g = torch.zeros_like(w)
+    g = torch.empty_like(w)  # every chunk is written below
     cur = s_bar
     n_c = w.shape[2]
     for c in range(n_c - 1, -1, -1):
@@ -135,8 +135,8 @@ class _Block:
         self.vc = v.view(b, h, n_c, chunk, dv)
         self.tri = tri
         self.gate = None if mc is None else _gate(mc, tri)
-        self.kr = self.kc if self.r is None else self.kc * self.r.unsqueeze(-1)  # restated at chunk end
-        self.states, self.s_out = _scan(self.kr.transpose(-1, -2) @ self.vc, self.decay, s_in)
+        vr = self.vc if self.r is None else self.vc * self.r.unsqueeze(-1)  # keys restated at chunk end
+        self.states, self.s_out = _scan(self.kc.transpose(-1, -2) @ vr, self.decay, s_in)
 
     def masked(self, x: torch.Tensor) -> torch.Tensor:
         """``x [.., C, C]`` times the gate (or the causal mask), in place."""
@@ -164,7 +164,10 @@ class _Block:
         if r is not None:
             k_inter.mul_(r.unsqueeze(-1))
         k_bar = torch.baddbmm(k_inter.flatten(0, 2), pm.transpose(-1, -2).flatten(0, 2), qc.flatten(0, 2))
-        v_bar = torch.baddbmm((self.kr @ g).flatten(0, 2), a.transpose(-1, -2).flatten(0, 2), oc.flatten(0, 2))
+        v_inter = kc @ g  # [B, H, n_c, C, dv]
+        if r is not None:
+            v_inter.mul_(r.unsqueeze(-1))
+        v_bar = torch.baddbmm(v_inter.flatten(0, 2), a.transpose(-1, -2).flatten(0, 2), oc.flatten(0, 2))
         return q_bar, k_bar, v_bar, g_in
 
 

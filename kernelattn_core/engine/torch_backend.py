@@ -207,7 +207,7 @@ def _causal(
         first = torch.where(finite, m_raw, torch.full_like(m_raw, float("inf"))).amin(-1, keepdim=True)
         first = torch.where(torch.isfinite(first), first, torch.zeros_like(first))
         m = torch.where(finite, m_raw, first)
-        fk = (lk - m.unsqueeze(-1)).exp()  # [B, H, N, D], entries <= 1, dropped keys 0
+        fk = (lk - m.unsqueeze(-1)).exp_()  # [B, H, N, D], entries <= 1, dropped keys 0
         m0 = m[..., :1]
         if state is not None and state.m is not None:
             m0 = torch.where(torch.isfinite(state.m), state.m, m0)
