@@ -72,10 +72,17 @@ def formal(session: nox.Session) -> None:
     session.run("kernelattn", "verify", "--level", "full", "--no-progress", *session.posargs)
 
 
+#: anchors of the engine benchmark, installed in the bench session only (torch stays pinned)
+BENCH_ANCHORS = ("flash-linear-attention==0.6.0", "performer-pytorch==1.1.4")
+
+
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
-    """Benchmarks (pytest-benchmark), compared as ratios within one run."""
+    """Benchmarks (pytest-benchmark), compared as ratios within one run; the engine table
+    (anchors SDPA, fla's pure-torch chunked form, performer-pytorch) is printed at the end
+    and written to ``.benchmarks/engine_table.md``."""
     install_all(session)
+    session.install(TORCH, *BENCH_ANCHORS)
     session.run(
         "pytest",
         "tests/benchmarks",

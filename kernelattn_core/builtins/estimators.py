@@ -202,8 +202,9 @@ class FeatureMapAttention(AttentionEstimator):
         inside an initialised :mod:`torch.distributed` process group it is broadcast
         from rank 0 (a collective: build the model on every rank, or pass a seed), so
         every replica draws the same features (:func:`~kernelattn_core.redraw.agreed_seed`).
-    chunk_size : int
-        Chunk length of the causal form.
+    chunk_size : int, optional
+        Chunk length of the causal form; ``None`` (the default) takes the engine's
+        measured default.
     backend : str, optional
         Force a backend by name (``"torch"``); the fastest available by default.
     scale : float, optional
@@ -226,7 +227,7 @@ class FeatureMapAttention(AttentionEstimator):
         head_dim: int | None = None,
         redraw_every: int = 0,
         seed: int | None = None,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         backend: str | None = None,
         scale: float | None = None,
         **feature_map_options: Any,
@@ -250,7 +251,7 @@ class FeatureMapAttention(AttentionEstimator):
         else:
             self.normalizer = resolve_class(normalizer, "normalizer")()
         self.redraw_policy = RedrawPolicy(redraw_every, seed)
-        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        self.chunk_size = None if chunk_size is None else check_positive_int("chunk_size", chunk_size)
         self.backend = backend
         if head_dim is not None:
             self.redraw_policy.initial(self.feature_map, head_dim)
@@ -299,7 +300,7 @@ class FeatureMapAttention(AttentionEstimator):
             raise InputError(f"k: expected as many new keys as new queries ({q.shape[2]}), got {k.shape[2]}")
         mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
         s = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        q, k = self.normalizer.pre(q * math.sqrt(s), k * math.sqrt(s), key_padding_mask=mask)
+        q, k = self._pre(q * math.sqrt(s), k * math.sqrt(s), mask, True)
         fm = self.feature_map
         if not fm.built:
             self.redraw_policy.initial(fm, q.shape[-1])
@@ -311,8 +312,16 @@ class FeatureMapAttention(AttentionEstimator):
         )
         return self.normalizer.post(self.normalizer.normalize(num, den)).to(v.dtype), state
 
+    def _pre(
+        self, q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``normalizer.pre`` with the causal flag when the normaliser declares it."""
+        if "causal" in inspect.signature(self.normalizer.pre).parameters:
+            return self.normalizer.pre(q, k, key_padding_mask=key_padding_mask, causal=causal)
+        return self.normalizer.pre(q, k, key_padding_mask=key_padding_mask)
+
     def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
-        q, k = self.normalizer.pre(q, k, key_padding_mask=key_padding_mask)
+        q, k = self._pre(q, k, key_padding_mask, causal)
         fm = self.feature_map
         if not fm.built:
             self.redraw_policy.initial(fm, q.shape[-1])

@@ -42,7 +42,7 @@ class FeatureAttentionFn(Protocol):
         log_space: bool,
         causal: bool,
         key_padding_mask: torch.Tensor | None,
-        chunk_size: int,
+        chunk_size: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 

@@ -5,10 +5,33 @@ Non-causal form, :math:`O(N D d_v)` time and :math:`O(N D + D d_v)` memory:
 .. math:: S = \\sum_j \\phi_k(k_j) v_j^\\top, \\quad z = \\sum_j \\phi_k(k_j), \\quad
           \\mathrm{num}_i = \\phi_q(q_i)^\\top S, \\quad \\mathrm{den}_i = \\phi_q(q_i)^\\top z .
 
-Causal form: chunks of ``C`` positions. Inside a chunk the ``C x C`` block of
-:math:`\\phi_q \\phi_k^\\top` is masked to the lower triangle; across chunks a running
-state :math:`S \\in \\mathbb{R}^{D \\times d_v}` carries the past. No ``[N, D, d_v]``
-cumulative sum is ever formed.
+Causal form (:mod:`kernelattn_core.engine.chunked`): chunks of ``C`` positions, all
+processed by batched matrix products; only a scan over the :math:`N/C` chunk states
+is sequential. The values get a column of ones, :math:`\\tilde v_j = (v_j, 1)`, so the
+denominator is the last column of the numerator and one recurrence serves both.
+Writing :math:`q_t` for the query features and :math:`k_j` for the key features
+stated at the key's own stabiliser (below):
+
+.. math::
+    A^{(c)}_{tj} = [j \\le t]\\, e^{m_j - m_t}\\, q_t^\\top k_j, \\qquad
+    U_c = \\sum_{j \\in c} e^{m_j - M_c}\\, k_j \\tilde v_j^\\top, \\qquad
+    S_{c+1} = e^{M_{c-1} - M_c} S_c + U_c,
+
+.. math::
+    (\\mathrm{num}_t, \\mathrm{den}_t) = \\sum_{j \\in c,\\, j \\le t} A^{(c)}_{tj} \\tilde v_j
+    + e^{M_{c-1} - m_t}\\, S_c^\\top q_t ,
+
+with :math:`M_c` the stabiliser at the last position of chunk ``c``. The backward pass
+is its own (:class:`torch.autograd.Function`): the transposed recurrence
+
+.. math::
+    G_c = \\sum_{t \\in c+1} e^{M_c - m_t} q_t \\bar o_t^\\top + e^{M_c - M_{c+1}} G_{c+1},
+    \\qquad G_{n_c - 1} = \\bar S_{\\mathrm{final}},
+
+runs from the last chunk to the first, the states :math:`S_c` are recomputed rather
+than stored, and the gradients of :math:`q, k, \\tilde v` and of the initial state follow
+chunk-wise (formulas in :mod:`kernelattn_core.engine.chunked`). Training memory is
+:math:`O(N (D + d_v))` for the inputs plus :math:`O(N C + (N/C) D d_v)` transient.
 
 **Log-space stabilisers (exact and causal-safe).** For log-space maps the engine
 receives :math:`l_q = \\log \\phi_q`, :math:`l_k = \\log \\phi_k`.
@@ -18,10 +41,23 @@ receives :math:`l_q = \\log \\phi_q`, :math:`l_k = \\log \\phi_k`.
 * Key side, non-causal: one constant :math:`c = \\max_{j, D} l_{k}` for the whole
   sequence (all keys are visible to every query).
 * Key side, causal: the prefix maximum :math:`m_t = \\max_{j \\le t} \\max_D l_{k,j}`.
-  Query :math:`t` uses keys scaled by :math:`e^{-m_t}`, which depends only on keys
-  :math:`\\le t`; a later, larger key can never change an earlier output. Key ``j``
-  is stored as :math:`e^{l_{k,j} - m_j}` and reaches query ``t`` through the factor
-  :math:`e^{m_j - m_t} \\le 1` (the gate), so nothing overflows.
+  Key ``j`` is stored as :math:`k_j = e^{l_{k,j} - m_j} \\le 1`; it reaches query
+  :math:`t \\ge j` of its own chunk through the gate :math:`e^{m_j - m_t} \\le 1`, and
+  later chunks restated at the chunk's end, :math:`e^{m_j - M_c} \\le 1`; the state
+  reaches query ``t`` through :math:`e^{M_{c-1} - m_t} \\le 1` and decays by
+  :math:`e^{M_{c-1} - M_c} \\le 1` per chunk. Every factor depends only on keys
+  :math:`\\le t`, so a later, larger key can never change an earlier output, and none
+  exceeds 1, so nothing overflows. Query :math:`t` effectively uses the constant
+  :math:`e^{-m_t}`, which cancels in the ratio.
+
+**Masked and non-finite values.** Padded keys (features and values) are removed with
+``masked_fill`` before any product, so whatever they hold (NaN, inf) never reaches an
+output or a gradient. In the causal form a non-finite key or value at a *valid*
+position ``j`` must not touch rows ``t < j`` (a product ``0 * NaN`` inside a chunk
+would): one reduction checks that the inputs are finite; when they are not, the
+offending keys are dropped from the products like padding and the rows that
+legitimately see them (``t >= j``, and a row whose own query is non-finite) are set
+to NaN afterwards. Earlier rows keep bit-identical outputs and gradients.
 
 Half-precision inputs are computed in float32 (sums over long sequences overflow
 float16) and the caller casts the output back.
@@ -32,6 +68,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .chunked import DEFAULT_CHUNK, causal_linear_attention
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -44,7 +82,44 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def _query_side(phi_q: torch.Tensor, log_space: bool) -> torch.Tensor:
     if not log_space:
         return phi_q
-    return (phi_q - phi_q.detach().amax(-1, keepdim=True)).exp()  # per-query constant: cancels
+    top = phi_q.detach().amax(-1, keepdim=True)  # per-query constant: cancels
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row of -inf: features 0
+    return (phi_q - top).exp_()
+
+
+def _bad_rows(x: torch.Tensor, log_space: bool) -> torch.Tensor:
+    """``[B, H, N]``: rows holding NaN or inf (``-inf`` is a valid log-feature: feature 0)."""
+    if log_space:
+        return (torch.isnan(x) | torch.isposinf(x)).any(-1)
+    return ~torch.isfinite(x).all(-1)
+
+
+@dataclass
+class CausalState:
+    """What causal feature-map attention carries from one call to the next (decoding,
+    or from one rank to the next in a sequence-parallel split).
+
+    Attributes
+    ----------
+    kv : Tensor ``[B, H, D, dv]``
+        :math:`\\sum_{j} \\hat\\phi_k(k_j) v_j^\\top` over every key seen so far.
+    z : Tensor ``[B, H, D]``
+        :math:`\\sum_{j} \\hat\\phi_k(k_j)`, the normaliser's running sum.
+    m : Tensor ``[B, H, 1]`` or None
+        For log-space maps, the stabiliser the sums are stated at (the running maximum
+        of the key log-features, ``-inf`` while no key has been seen); ``None`` for
+        plain features.
+    length : int
+        Number of positions consumed.
+
+    ``kv`` and ``z`` are differentiable: gradients flow through a state passed to the
+    next call back into the keys and values that made it.
+    """
+
+    kv: torch.Tensor
+    z: torch.Tensor
+    m: torch.Tensor | None
+    length: int
 
 
 def feature_attention_torch(
@@ -55,7 +130,7 @@ def feature_attention_torch(
     log_space: bool,
     causal: bool,
     key_padding_mask: torch.Tensor | None,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Numerator ``[B, H, N, dv]`` and denominator ``[B, H, N]`` of feature-map attention.
 
@@ -68,116 +143,88 @@ def feature_attention_torch(
     v : Tensor ``[B, H, M, dv]``
     key_padding_mask : Tensor ``[B, M]`` of bool, optional
         ``True`` marks a padded key.
-    chunk_size : int
-        Positions per chunk in the causal form.
+    chunk_size : int, optional
+        Positions per chunk in the causal form; ``None`` takes the measured default
+        (:data:`kernelattn_core.engine.chunked.DEFAULT_CHUNK`).
     """
     dtype = compute_dtype(phi_q.dtype)
     phi_q, phi_k, v = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
+    if causal:
+        num, den, _ = _causal(phi_q, phi_k, v, log_space, key_padding_mask, chunk_size, None)
+        return num, den
     pad = None if key_padding_mask is None else key_padding_mask[:, None, :, None]  # [B, 1, M, 1]
     fq = _query_side(phi_q, log_space)  # [B, H, N, D]
-    if not causal:
-        if log_space:
-            lk = phi_k if pad is None else phi_k.masked_fill(pad, float("-inf"))
-            c = lk.detach().amax(dim=(-2, -1), keepdim=True)  # [B, H, 1, 1]
-            c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))  # all keys padded
-            fk = (lk - c).exp()
-        else:
-            fk = phi_k if pad is None else phi_k.masked_fill(pad, 0.0)
-        s = fk.transpose(-1, -2) @ v  # [B, H, D, dv]
-        z = fk.sum(-2)  # [B, H, D]
-        return fq @ s, (fq @ z.unsqueeze(-1)).squeeze(-1)
-    num, den, _ = _causal_chunked(fq, phi_k, v, log_space, pad, chunk_size)
-    return num, den
+    if pad is not None:  # removed before any product, whatever they hold
+        v = v.masked_fill(pad, 0.0)
+    if log_space:
+        lk = phi_k if pad is None else phi_k.masked_fill(pad, float("-inf"))
+        c = lk.detach().amax(dim=(-2, -1), keepdim=True)  # [B, H, 1, 1]
+        c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))  # all keys padded
+        fk = (lk - c).exp_()
+    else:
+        fk = phi_k if pad is None else phi_k.masked_fill(pad, 0.0)
+    s = torch.cat([fk.transpose(-1, -2) @ v, fk.sum(-2).unsqueeze(-1)], dim=-1)  # [B, H, D, dv + 1]
+    out = fq @ s  # [B, H, N, dv + 1]: numerator and denominator in one product
+    return out[..., :-1], out[..., -1]
 
 
-@dataclass
-class CausalState:
-    """What causal feature-map attention carries from one call to the next (decoding).
-
-    Attributes
-    ----------
-    kv : Tensor ``[B, H, D, dv]``
-        :math:`\\sum_{j} \\hat\\phi_k(k_j) v_j^\\top` over every key seen so far.
-    z : Tensor ``[B, H, D]``
-        :math:`\\sum_{j} \\hat\\phi_k(k_j)`, the normaliser's running sum.
-    m : Tensor ``[B, H, 1]`` or None
-        For log-space maps, the stabiliser the sums are stated at (the running maximum
-        of the key log-features); ``None`` for plain features.
-    length : int
-        Number of positions consumed.
-    """
-
-    kv: torch.Tensor
-    z: torch.Tensor
-    m: torch.Tensor | None
-    length: int
-
-
-def _causal_chunked(
-    fq: torch.Tensor,
+def _causal(
+    phi_q: torch.Tensor,
     phi_k: torch.Tensor,
     v: torch.Tensor,
     log_space: bool,
-    pad: torch.Tensor | None,
-    chunk_size: int,
-    state: CausalState | None = None,
+    key_padding_mask: torch.Tensor | None,
+    chunk_size: int | None,
+    state: CausalState | None,
 ) -> tuple[torch.Tensor, torch.Tensor, CausalState]:
-    b, h, n, d_feat = fq.shape
+    b, h, n, d_feat = phi_q.shape
     dv = v.shape[-1]
-    m = m_prev = None
+    drop = None if key_padding_mask is None else key_padding_mask[:, None, :]  # [B, 1, N]
+    poison = None
+    # one reduction decides whether a non-finite value could leak through 0 * NaN
+    vk = phi_k if drop is None else phi_k.masked_fill(drop.unsqueeze(-1), 0.0)
+    vv = v if drop is None else v.masked_fill(drop.unsqueeze(-1), 0.0)
+    if not bool(torch.isfinite(phi_q.detach().sum() + vk.detach().sum() + vv.detach().sum())):
+        bad_k = _bad_rows(vk.detach(), log_space) | _bad_rows(vv.detach(), False)  # [B, H, N]
+        bad_q = _bad_rows(phi_q.detach(), log_space)
+        drop = bad_k if drop is None else drop | bad_k
+        phi_q = phi_q.masked_fill(bad_q.unsqueeze(-1), 0.0)
+        poison = bad_k.cummax(-1).values | bad_q  # rows that legitimately see them
+    if drop is not None:
+        v = v.masked_fill(drop.unsqueeze(-1), 0.0)
+    fq = _query_side(phi_q, log_space)  # [B, H, N, D]
+    m = m0 = m_out = None
     if log_space:
-        lk = phi_k if pad is None else phi_k.masked_fill(pad, float("-inf"))
-        m = lk.detach().amax(-1).cummax(-1).values  # [B, H, N] prefix max: causal
+        lk = phi_k if drop is None else phi_k.masked_fill(drop.unsqueeze(-1), float("-inf"))
+        m_raw = lk.detach().amax(-1)  # [B, H, N]
         if state is not None and state.m is not None:
-            m = torch.maximum(m, state.m)  # the prefix continues from earlier calls
-        # positions before the first valid key have m = -inf; give them the first finite
-        # value (their outputs are exactly zero whatever m is, and m stays monotone)
-        first = torch.where(torch.isfinite(m), m, torch.full_like(m, float("inf"))).amin(-1, keepdim=True)
+            m_raw = torch.maximum(m_raw, state.m)  # the prefix continues from earlier calls
+        m_raw = m_raw.cummax(-1).values  # prefix maximum: causal; -inf before the first key
+        m_out = m_raw[..., -1:]
+        # positions before the first valid key get the first finite value (their rows are
+        # exactly zero whatever m is, and m stays non-decreasing)
+        finite = torch.isfinite(m_raw)
+        first = torch.where(finite, m_raw, torch.full_like(m_raw, float("inf"))).amin(-1, keepdim=True)
         first = torch.where(torch.isfinite(first), first, torch.zeros_like(first))
-        m = torch.where(torch.isfinite(m), m, first)
-        fk = (lk - m.unsqueeze(-1)).exp()  # [B, H, N, D], entries <= 1, padded keys 0
-        m_prev = m[..., :1]  # [B, H, 1]: stabiliser the running sums are stated at
+        m = torch.where(finite, m_raw, first)
+        fk = (lk - m.unsqueeze(-1)).exp_()  # [B, H, N, D], entries <= 1, dropped keys 0
+        m0 = m[..., :1]
         if state is not None and state.m is not None:
-            m_prev = torch.where(torch.isfinite(state.m), state.m, m_prev)
+            m0 = torch.where(torch.isfinite(state.m), state.m, m0)
     else:
-        fk = phi_k if pad is None else phi_k.masked_fill(pad, 0.0)
+        fk = phi_k if drop is None else phi_k.masked_fill(drop.unsqueeze(-1), 0.0)
+    v1 = torch.cat([v, v.new_ones(b, h, n, 1)], dim=-1)  # [B, H, N, dv + 1]
     if state is None:
-        kv = fq.new_zeros(b, h, d_feat, dv)  # [B, H, D, dv]
-        z = fq.new_zeros(b, h, d_feat)  # [B, H, D]
+        s0 = fq.new_zeros(b, h, d_feat, dv + 1)
     else:
-        kv, z = state.kv.to(fq.dtype), state.z.to(fq.dtype)
-    tri = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=fq.device).tril()
-    nums, dens = [], []
-    for start in range(0, n, chunk_size):
-        stop = min(start + chunk_size, n)
-        c = stop - start
-        qc, kc, vc = fq[:, :, start:stop], fk[:, :, start:stop], v[:, :, start:stop]
-        a = qc @ kc.transpose(-1, -2)  # [B, H, C, C]
-        if m is None:
-            a = a.masked_fill(~tri[:c, :c], 0.0)
-            num = a @ vc + qc @ kv
-            den = a.sum(-1) + (qc @ z.unsqueeze(-1)).squeeze(-1)
-        else:
-            mc = m[..., start:stop]  # [B, H, C]
-            gap = (mc.unsqueeze(-2) - mc.unsqueeze(-1)).masked_fill(~tri[:c, :c], float("-inf"))
-            a = a * gap.exp()  # gate e^{m_j - m_t} <= 1 on j <= t, 0 above the diagonal
-            past = (m_prev - mc).exp()  # [B, H, C] <= 1: state to query stabiliser
-            num = a @ vc + (qc @ kv) * past.unsqueeze(-1)
-            den = a.sum(-1) + (qc @ z.unsqueeze(-1)).squeeze(-1) * past
-        nums.append(num)
-        dens.append(den)
-        if m is None:
-            kv = kv + kc.transpose(-1, -2) @ vc
-            z = z + kc.sum(-2)
-        else:
-            m_new = mc[..., -1:]  # [B, H, 1]
-            decay = (m_prev - m_new).exp()  # <= 1
-            kc = kc * (mc - m_new).exp().unsqueeze(-1)  # keys restated at m_new, <= 1
-            kv = kv * decay.unsqueeze(-1) + kc.transpose(-1, -2) @ vc
-            z = z * decay + kc.sum(-2)
-            m_prev = m_new
+        s0 = torch.cat([state.kv.to(fq.dtype), state.z.to(fq.dtype).unsqueeze(-1)], dim=-1)
+    out, s_final = causal_linear_attention(fq, fk, v1, s0, m, m0, chunk_size or DEFAULT_CHUNK)
+    num, den = out[..., :dv], out[..., dv]
+    if poison is not None:
+        num = num.masked_fill(poison.unsqueeze(-1), float("nan"))
+        den = den.masked_fill(poison, float("nan"))
     length = (0 if state is None else state.length) + n
-    return torch.cat(nums, dim=2), torch.cat(dens, dim=2), CausalState(kv, z, m_prev, length)
+    return num, den, CausalState(s_final[..., :dv], s_final[..., dv], m_out, length)
 
 
 def feature_attention_step(
@@ -188,15 +235,31 @@ def feature_attention_step(
     log_space: bool,
     key_padding_mask: torch.Tensor | None,
     state: CausalState | None,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, CausalState]:
     """Causal attention of new positions given the state of all earlier ones.
 
     Feeding a sequence in pieces (one token at a time when decoding) gives the same
-    numerator and denominator as one causal call over the whole sequence; the
-    returned state continues it.
+    numerator and denominator as one causal call over the whole sequence (the same
+    code runs both); the returned state continues it.
+
+    Parameters
+    ----------
+    phi_q, phi_k : Tensor ``[B, H, T, D]``
+        Features (log-features when ``log_space``) of the ``T`` new positions.
+    v : Tensor ``[B, H, T, dv]``
+    key_padding_mask : Tensor ``[B, T]`` of bool, optional
+    state : CausalState, optional
+        Returned by the previous call; ``None`` starts a sequence.
+    chunk_size : int, optional
+        As in :func:`feature_attention_torch`.
+
+    Returns
+    -------
+    num : Tensor ``[B, H, T, dv]``
+    den : Tensor ``[B, H, T]``
+    state : CausalState
     """
     dtype = compute_dtype(phi_q.dtype)
     phi_q, phi_k, v = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
-    pad = None if key_padding_mask is None else key_padding_mask[:, None, :, None]
-    return _causal_chunked(_query_side(phi_q, log_space), phi_k, v, log_space, pad, chunk_size, state)
+    return _causal(phi_q, phi_k, v, log_space, key_padding_mask, chunk_size, state)

@@ -44,12 +44,22 @@ class Normalizer(nn.Module):
         self.eps = eps
 
     def pre(
-        self, q: torch.Tensor, k: torch.Tensor, *, key_padding_mask: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+        causal: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Transform ``q [B, H, N, d]`` and ``k [B, H, M, d]`` before the features.
 
         ``key_padding_mask [B, M]`` (``True`` = padded) is given so that statistics over
-        keys can leave padding out.
+        keys can leave padding out. ``causal`` says the call is causal: statistics of the
+        current sequence would carry later tokens into earlier outputs, so a normaliser
+        that computes them must use causal (prefix) statistics or raise an
+        :class:`~kernelattn_core.errors.InputError`. Feature-map attention passes
+        ``causal`` only to normalisers whose ``pre`` declares it, so older third-party
+        normalisers keep working.
         """
         return q, k
 

@@ -34,6 +34,7 @@ from kernelattn_core.redraw import RedrawPolicy, generator_for
 from kernelattn_core.validation import check_choice, check_positive_int
 
 from . import functional as fn
+from .chunked import ra_blocked, use_blocks
 from .lara import (
     NEGATIVE_POLICIES,
     PROPOSALS,
@@ -236,8 +237,21 @@ class RandomizedAttention(_SamplingEstimator):
         dtype = compute_dtype(q.dtype)
         q, k, v32 = q.to(dtype), k.to(dtype), v.to(dtype)
         k, v32 = fn.drop_padded(k, v32, key_padding_mask)
-        probs = fn.softmax_probs(q, k, key_padding_mask, causal)  # [B, H, N, M]
         fixed = not self.training and not self.eval_resample
+        if use_blocks(q.shape[2], k.shape[2], self.num_features):  # memory-bounded, same estimator
+            return ra_blocked(
+                q,
+                k,
+                v32,
+                key_padding_mask,
+                causal,
+                self.num_features,
+                self._sigma(q.shape[-1]),
+                None if fixed else self.draws.next(),
+                noise=self.training or self.eval_noise,
+                counter_seed=int(self.eval_seed) if fixed else None,
+            ).to(v.dtype)
+        probs = fn.softmax_probs(q, k, key_padding_mask, causal)  # [B, H, N, M]
         omega = fn.ra_samples(
             q,
             k,

@@ -1,0 +1,272 @@
+"""Vectorised chunked causal linear attention with its own backward.
+
+This module is the kernel of the causal torch backend; the module docstring of
+:mod:`kernelattn_core.engine.torch_backend` states the whole recurrence (stabilisers,
+forward and backward) and :func:`causal_linear_attention` is its implementation.
+
+Notation (one batch element and head; ``C`` positions per chunk, ``n_c = N / C``
+chunks, chunk ``c`` holds positions :math:`[cC, (c+1)C)`):
+
+* :math:`q_t \\in \\mathbb{R}^D` query features, :math:`k_j \\in \\mathbb{R}^D` key
+  features stated at the key's own stabiliser (:math:`k_j = e^{l_{k,j} - m_j}` in log
+  space), :math:`v_j \\in \\mathbb{R}^{d_v}` values (the engine appends a column of
+  ones so that the normaliser is the last column of the numerator);
+* :math:`m_t` a non-decreasing stabiliser (the prefix maximum of the key
+  log-features; :math:`m \\equiv 0` for plain features), :math:`M_c = m_{(c+1)C-1}` its
+  value at the end of chunk ``c`` and :math:`M_{-1}` the value the initial state is
+  stated at;
+* :math:`g_{tj} = e^{m_j - m_t} \\le 1` for :math:`j \\le t` (the gate),
+  :math:`p_t = e^{M_{c-1} - m_t} \\le 1` and :math:`r_j = e^{m_j - M_c} \\le 1` for
+  :math:`t, j` in chunk ``c``, :math:`\\delta_c = e^{M_{c-1} - M_c} \\le 1`.
+
+Forward, all chunks at once except the scan over the :math:`n_c` states:
+
+.. math::
+    A^{(c)}_{tj} = [j \\le t]\\, g_{tj}\\, q_t^\\top k_j, \\qquad
+    U_c = \\sum_{j \\in c} r_j k_j v_j^\\top, \\qquad
+    S_{c+1} = \\delta_c S_c + U_c \\;(S_0 \\text{ given}),
+
+.. math::
+    o_t = \\sum_{j \\in c} A^{(c)}_{tj} v_j + p_t\\, S_c^\\top q_t .
+
+:math:`S_c` is :math:`\\sum_{j < cC} e^{m_j - M_{c-1}} k_j v_j^\\top` (every key before
+chunk ``c``, restated at :math:`M_{c-1}`); every factor is :math:`\\le 1`, so nothing
+overflows, and row ``t`` uses only :math:`m_{\\le t}`: a later key never changes it.
+
+Backward, given :math:`\\bar o_t` and :math:`\\bar S_{n_c}` (the gradient of the final
+state; zero unless the state is used), with :math:`P^{(c)}_{tj} = [j \\le t]\\, g_{tj}\\,
+\\bar o_t^\\top v_j`:
+
+.. math::
+    W_c = \\sum_{t \\in c} p_t q_t \\bar o_t^\\top, \\qquad
+    G_{n_c - 1} = \\bar S_{n_c}, \\qquad G_{c} = W_{c+1} + \\delta_{c+1} G_{c+1}
+    \\quad (G_c = \\partial L / \\partial S_{c+1}),
+
+.. math::
+    \\bar q_t = \\sum_{j \\in c} P_{tj} k_j + p_t S_c \\bar o_t, \\qquad
+    \\bar k_j = \\sum_{t \\in c} P_{tj} q_t + r_j G_c v_j, \\qquad
+    \\bar v_j = \\sum_{t \\in c} A_{tj} \\bar o_t + r_j G_c^\\top k_j, \\qquad
+    \\bar S_0 = W_0 + \\delta_0 G_0 .
+
+The states :math:`S_c` are recomputed in the backward pass rather than stored, so
+training keeps only the inputs: :math:`O(N(D + d_v))` memory plus
+:math:`O(N C + n_c D d_v)` transient work space.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: chunk length used when the caller passes ``chunk_size=None``; chosen by measurement
+#: (PRF log-features, D = 128, d_v = 64, N = 4096, one thread, forward and forward +
+#: backward interleaved on a shared 2-core CPU: 32 and 64 within noise of each other,
+#: 128 slower by 15-30 %; ``tests/benchmarks`` re-measures it).
+DEFAULT_CHUNK = 64
+
+
+def _gate(mc: torch.Tensor, tri: torch.Tensor) -> torch.Tensor:
+    """``[B, H, n_c, C, C]`` gate :math:`[j \\le t]\\, e^{m_j - m_t}` of the log-space form."""
+    gap = mc.unsqueeze(-2) - mc.unsqueeze(-1)  # [B, H, n_c, C(t), C(j)]: m_j - m_t
+    return gap.masked_fill_(~tri, float("-inf")).exp_()  # masked before exp: no inf * 0
+
+
+def _scan(u: torch.Tensor, decay: torch.Tensor | None, s0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """States before each chunk ``[B, H, n_c, D, dv]`` and the final state ``[B, H, D, dv]``."""
+    if decay is None:  # plain features: a cumulative sum
+        inclusive = u.cumsum_(2).add_(s0.unsqueeze(2))
+        return torch.cat([s0.unsqueeze(2), inclusive[:, :, :-1]], dim=2), inclusive[:, :, -1].clone()
+    states = torch.empty_like(u)  # every chunk is written below
+    cur = s0
+    for c in range(u.shape[2]):  # n_c small updates, no autograd inside
+        states[:, :, c] = cur
+        cur = torch.addcmul(u[:, :, c], cur, decay[:, :, c, None, None])
+    return states, cur
+
+
+def _reverse_scan(
+    w: torch.Tensor, decay: torch.Tensor | None, s_bar: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``G [B, H, n_c, D, dv]`` (gradient of each chunk's outgoing state) and the gradient
+    of the initial state."""
+    if decay is None:
+        tail = w.flip(2).cumsum(2).flip(2)  # tail[c] = sum_{c' >= c} W_c'
+        g = torch.cat([tail[:, :, 1:], torch.zeros_like(tail[:, :, :1])], dim=2).add_(s_bar.unsqueeze(2))
+        return g, tail[:, :, 0] + s_bar
+    g = torch.empty_like(w)  # every chunk is written below
+    cur = s_bar
+    n_c = w.shape[2]
+    for c in range(n_c - 1, -1, -1):
+        g[:, :, c] = cur
+        cur = torch.addcmul(w[:, :, c], cur, decay[:, :, c, None, None])  # dL/dS_c
+    return g, cur
+
+
+def _stabilisers(
+    m: torch.Tensor | None, m0: torch.Tensor | None, n_c: int, c: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``mc [B,H,n_c,C]``, ``p [B,H,n_c,C]``, ``r [B,H,n_c,C]``, ``decay [B,H,n_c]`` (None for plain)."""
+    if m is None:
+        return None, None, None, None
+    mc = m.unflatten(-1, (n_c, c))
+    m_end = mc[..., -1]  # [B, H, n_c]: M_c
+    m_prev = torch.cat([m0, m_end[..., :-1]], dim=-1)  # [B, H, n_c]: M_{c-1}
+    p = (m_prev.unsqueeze(-1) - mc).exp()
+    r = (mc - m_end.unsqueeze(-1)).exp()
+    return mc, p, r, (m_prev - m_end).exp()
+
+
+#: positions per group: chunks are processed in groups of this many positions so that
+#: the transient work space (``C x C`` blocks, chunk states) stays bounded in ``N``.
+#: Slicing a group out of ``[B, H, N, D]`` makes the batched products copy their
+#: operands, so groups are large (forward 25 % faster than groups of 1024 at N = 4096).
+GROUP = 4096
+
+
+class _Block:
+    """The per-chunk pieces of one group of chunks (positions ``[g0, g1)``)."""
+
+    def __init__(self, q, k, v, s_in, m, m_in, chunk, tri):  # type: ignore[no-untyped-def]
+        b, h, n, d_feat = q.shape
+        dv = v.shape[-1]
+        n_c = n // chunk
+        mc, self.p, self.r, self.decay = _stabilisers(m, m_in, n_c, chunk)
+        self.qc = q.view(b, h, n_c, chunk, d_feat)
+        self.kc = k.view(b, h, n_c, chunk, d_feat)
+        self.vc = v.view(b, h, n_c, chunk, dv)
+        self.tri = tri
+        self.gate = None if mc is None else _gate(mc, tri)
+        vr = self.vc if self.r is None else self.vc * self.r.unsqueeze(-1)  # keys restated at chunk end
+        self.states, self.s_out = _scan(self.kc.transpose(-1, -2) @ vr, self.decay, s_in)
+
+    def masked(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [.., C, C]`` times the gate (or the causal mask), in place."""
+        return x.masked_fill_(~self.tri, 0.0) if self.gate is None else x.mul_(self.gate)
+
+    def forward(self) -> torch.Tensor:
+        a = self.masked(self.qc @ self.kc.transpose(-1, -2))  # [B, H, n_c, C, C]
+        inter = self.qc @ self.states  # [B, H, n_c, C, dv]
+        if self.p is not None:
+            inter.mul_(self.p.unsqueeze(-1))
+        return torch.baddbmm(inter.flatten(0, 2), a.flatten(0, 2), self.vc.flatten(0, 2))
+
+    def backward(self, o_bar: torch.Tensor, g_out: torch.Tensor):  # type: ignore[no-untyped-def]
+        qc, kc, vc, p, r = self.qc, self.kc, self.vc, self.p, self.r
+        oc = o_bar.reshape(vc.shape)
+        a = self.masked(qc @ kc.transpose(-1, -2))
+        pm = self.masked(oc @ vc.transpose(-1, -2))  # [B, H, n_c, C, C]
+        q_inter = oc @ self.states.transpose(-1, -2)  # [B, H, n_c, C, D]
+        if p is not None:
+            q_inter.mul_(p.unsqueeze(-1))
+        q_bar = torch.baddbmm(q_inter.flatten(0, 2), pm.flatten(0, 2), kc.flatten(0, 2))
+        qp = qc if p is None else qc * p.unsqueeze(-1)
+        g, g_in = _reverse_scan(qp.transpose(-1, -2) @ oc, self.decay, g_out)  # [B, H, n_c, D, dv]
+        k_inter = vc @ g.transpose(-1, -2)  # [B, H, n_c, C, D]
+        if r is not None:
+            k_inter.mul_(r.unsqueeze(-1))
+        k_bar = torch.baddbmm(k_inter.flatten(0, 2), pm.transpose(-1, -2).flatten(0, 2), qc.flatten(0, 2))
+        v_inter = kc @ g  # [B, H, n_c, C, dv]
+        if r is not None:
+            v_inter.mul_(r.unsqueeze(-1))
+        v_bar = torch.baddbmm(v_inter.flatten(0, 2), a.transpose(-1, -2).flatten(0, 2), oc.flatten(0, 2))
+        return q_bar, k_bar, v_bar, g_in
+
+
+def _groups(n: int, chunk: int) -> list[tuple[int, int]]:
+    span = max(chunk, GROUP // chunk * chunk)
+    return [(g0, min(g0 + span, n)) for g0 in range(0, n, span)]
+
+
+def _m_in(m: torch.Tensor | None, m0: torch.Tensor | None, g0: int) -> torch.Tensor | None:
+    return m0 if m is None or g0 == 0 else m[..., g0 - 1 : g0]
+
+
+def _part(m: torch.Tensor | None, g0: int, g1: int) -> torch.Tensor | None:
+    return None if m is None else m[..., g0:g1]
+
+
+class _CausalLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, s0, m, m0, chunk):  # type: ignore[no-untyped-def, override]
+        b, h, n, _ = q.shape
+        tri = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+        groups = _groups(n, chunk)
+        out = q.new_zeros(b, h, n, v.shape[-1])
+        s_in, cur = [], s0
+        for g0, g1 in groups:  # groups bound the work space; no autograd records this loop
+            s_in.append(cur)
+            blk = _Block(
+                q[:, :, g0:g1], k[:, :, g0:g1], v[:, :, g0:g1], cur, _part(m, g0, g1), _m_in(m, m0, g0), chunk, tri
+            )
+            out[:, :, g0:g1] = blk.forward().view(b, h, g1 - g0, -1)
+            cur = blk.s_out
+            del blk  # free this group's work space before the next one
+        ctx.save_for_backward(q, k, v, m, m0, *s_in)  # group boundary states only
+        ctx.chunk = chunk
+        return out, cur
+
+    @staticmethod
+    def backward(ctx, o_bar, s_bar):  # type: ignore[no-untyped-def, override]
+        q, k, v, m, m0, *s_in = ctx.saved_tensors
+        chunk = ctx.chunk
+        b, h, n, d_feat = q.shape
+        tri = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+        groups = _groups(n, chunk)
+        q_bar, k_bar, v_bar = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        g_out = s_bar
+        for i in range(len(groups) - 1, -1, -1):  # last group first: G runs backwards
+            g0, g1 = groups[i]
+            blk = _Block(
+                q[:, :, g0:g1], k[:, :, g0:g1], v[:, :, g0:g1], s_in[i], _part(m, g0, g1), _m_in(m, m0, g0), chunk, tri
+            )
+            dq, dk, dv_, g_out = blk.backward(o_bar[:, :, g0:g1], g_out)
+            q_bar[:, :, g0:g1] = dq.view(b, h, g1 - g0, d_feat)
+            k_bar[:, :, g0:g1] = dk.view(b, h, g1 - g0, d_feat)
+            v_bar[:, :, g0:g1] = dv_.view(b, h, g1 - g0, -1)
+            del blk, dq, dk, dv_
+        return q_bar, k_bar, v_bar, g_out, None, None, None
+
+
+def causal_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    s0: torch.Tensor,
+    m: torch.Tensor | None,
+    m0: torch.Tensor | None,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal linear attention of finite, prepared inputs (see the module docstring).
+
+    Parameters
+    ----------
+    q : Tensor ``[B, H, N, D]``
+        Query features (already multiplied by any per-query constant).
+    k : Tensor ``[B, H, N, D]``
+        Key features :math:`e^{l_{k,j} - m_j}` (log space) or plain features; masked
+        keys already zero.
+    v : Tensor ``[B, H, N, dv]``
+        Values (masked ones already zero); the engine appends a column of ones.
+    s0 : Tensor ``[B, H, D, dv]``
+        State of the earlier positions, stated at ``m0``.
+    m : Tensor ``[B, H, N]`` or None
+        Non-decreasing stabiliser (detached), ``None`` for plain features.
+    m0 : Tensor ``[B, H, 1]`` or None
+        Stabiliser of ``s0`` (``<= m``).
+    chunk : int
+        Positions per chunk; ``N`` is padded up to a multiple.
+
+    Returns
+    -------
+    out : Tensor ``[B, H, N, dv]``
+    s_final : Tensor ``[B, H, D, dv]``, stated at ``m[..., -1]``.
+    Both are differentiable in ``q``, ``k``, ``v`` and ``s0``.
+    """
+    n = q.shape[-2]
+    chunk = max(1, min(chunk, n))
+    extra = -n % chunk
+    if extra:  # zero features after the end contribute nothing; m is continued flat
+        q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, extra)) for t in (q, k, v))
+        if m is not None:
+            m = torch.cat([m, m[..., -1:].expand(*m.shape[:-1], extra)], dim=-1)
+    out, s_final = _CausalLinear.apply(q, k, v, s0, m, m0, chunk)
+    return (out[..., :n, :] if extra else out), s_final
