@@ -11,6 +11,7 @@ import torch
 from kernelattn_core import FeatureMap, FeatureMapAttention, Normalizer, get_registry
 from kernelattn_core.claims import ConsistentAttention
 from kernelattn_core.errors import InputError
+from kernelattn_core.validation import check_scale
 
 from .feature_maps import RandomMaclaurinFeatures
 from .normalizers import PPSBN
@@ -117,6 +118,7 @@ class RMFA(FeatureMapAttention):
             normalizer = _construct_normalizer(registry.normalizer(normalizer), normalizer_options)
         elif normalizer_options:
             raise InputError(f"{sorted(normalizer_options)}: normaliser options go with a normaliser name")
+        scale = check_scale(scale)  # before it is used: a bad scale names the argument
         if isinstance(normalizer, PPSBN) and scale is not None and normalizer.row_scale is None:
             normalizer.row_scale = math.sqrt(scale)  # pre-scaling fixes the row norm: keep the asked scale
         super().__init__(
