@@ -118,10 +118,33 @@ class _FeatureAttention(torch.autograd.Function):
             z1 = torch.empty(b, h, d, device=dev, dtype=acc)
             m1 = torch.empty(b, h, device=dev, dtype=acc)
             K.causal_fwd_kernel[grid](
-                fq, xq, rq, fk, xk, rk, omega, phase, v, mask,
-                num, den, mout, s0, z0, m0, s1, z1, m1,
-                h, n, d, e, dv, HAS_STATE=has_state, **meta,
-            )  # fmt: skip
+                fq,
+                xq,
+                rq,
+                fk,
+                xk,
+                rk,
+                omega,
+                phase,
+                v,
+                mask,
+                num,
+                den,
+                mout,
+                s0,
+                z0,
+                m0,
+                s1,
+                z1,
+                m1,
+                h,
+                n,
+                d,
+                e,
+                dv,
+                HAS_STATE=has_state,
+                **meta,
+            )
         else:
             mout = s1 = z1 = m1 = None
             K.noncausal_fwd_kernel[grid](
@@ -172,17 +195,72 @@ class _FeatureAttention(torch.autograd.Function):
                 ds0 = torch.zeros(b, h, d, dv, device=dev, dtype=acc)
                 dz0 = torch.zeros(b, h, d, device=dev, dtype=acc)
             K.causal_bwd_kernel[grid](
-                fq, xq, rq, fk, xk, rk, omega, phase, v, mask, mout, dnum, dden,
-                s0, z0, m0, ds1, dz1, m1,
-                dfq, dxq, drq, dfk, dxk, drk, dvv, ds0, dz0,
-                h, n, d, e, dv, HAS_STATE=has_state, HAS_DSTATE=has_dstate, **meta,
-            )  # fmt: skip
+                fq,
+                xq,
+                rq,
+                fk,
+                xk,
+                rk,
+                omega,
+                phase,
+                v,
+                mask,
+                mout,
+                dnum,
+                dden,
+                s0,
+                z0,
+                m0,
+                ds1,
+                dz1,
+                m1,
+                dfq,
+                dxq,
+                drq,
+                dfk,
+                dxk,
+                drk,
+                dvv,
+                ds0,
+                dz0,
+                h,
+                n,
+                d,
+                e,
+                dv,
+                HAS_STATE=has_state,
+                HAS_DSTATE=has_dstate,
+                **meta,
+            )
         else:
             K.noncausal_bwd_kernel[grid](
-                fq, xq, rq, fk, xk, rk, omega, phase, v, mask, dnum, dden,
-                dfq, dxq, drq, dfk, dxk, drk, dvv,
-                h, n, m, d, e, dv, **meta,
-            )  # fmt: skip
+                fq,
+                xq,
+                rq,
+                fk,
+                xk,
+                rk,
+                omega,
+                phase,
+                v,
+                mask,
+                dnum,
+                dden,
+                dfq,
+                dxq,
+                drq,
+                dfk,
+                dxk,
+                drk,
+                dvv,
+                h,
+                n,
+                m,
+                d,
+                e,
+                dv,
+                **meta,
+            )
         if cfg["feat"]:
             gqa, gqb, gka, gkb = dxq.sum(0), drq.sum(0), dxk.sum(0), drk.sum(0)
         else:
@@ -285,9 +363,15 @@ def feature_attention_triton(
     num, den : in float32 (float64 for float64 inputs); the caller casts back.
     """
     cfg = _config(
-        _input_dtype(phi_q, v), phi_q.shape[-1], phi_q.shape[2], log_space=log_space, causal=causal, feat=None,
-        chunk_size=chunk_size, block_v=block_v,
-    )  # fmt: skip
+        _input_dtype(phi_q, v),
+        phi_q.shape[-1],
+        phi_q.shape[2],
+        log_space=log_space,
+        causal=causal,
+        feat=None,
+        chunk_size=chunk_size,
+        block_v=block_v,
+    )
     out = _run(cfg, phi_q, None, phi_k, None, v, None, None, key_padding_mask)
     return out[0], out[1]
 
@@ -299,9 +383,7 @@ def _input_dtype(x: torch.Tensor, v: torch.Tensor) -> torch.dtype:
     return v.dtype if v.dtype in _HALF else torch.float32
 
 
-def fused_inputs(
-    spec: FusedFeatureSpec, x: torch.Tensor, *, query: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_inputs(spec: FusedFeatureSpec, x: torch.Tensor, *, query: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x', row)``: what the fused kernel reads instead of the features of ``x [..., d]``."""
     xt = spec.transform(x, query)  # [..., d']
     return xt, spec.row(xt, query)  # [..., d'], [...]
@@ -348,9 +430,15 @@ def fused_feature_attention_triton(
     if spec.family == "trig":
         phase = torch.zeros(d, dtype=omega.dtype, device=omega.device) if spec.phase is None else spec.phase.detach()
     cfg = _config(
-        _input_dtype(q, v), d, q.shape[2], log_space=log_space, causal=causal, feat=spec.family,
-        chunk_size=chunk_size, block_v=block_v,
-    )  # fmt: skip
+        _input_dtype(q, v),
+        d,
+        q.shape[2],
+        log_space=log_space,
+        causal=causal,
+        feat=spec.family,
+        chunk_size=chunk_size,
+        block_v=block_v,
+    )
     out = _run(cfg, xq, rq, xk, rk, v, omega, phase, key_padding_mask)
     return out[0], out[1]
 
@@ -374,9 +462,15 @@ def feature_attention_step_triton(
     incoming state's ``kv`` and ``z``.
     """
     cfg = _config(
-        _input_dtype(phi_q, v), phi_q.shape[-1], phi_q.shape[2], log_space=log_space, causal=True, feat=None,
-        chunk_size=chunk_size, block_v=None,
-    )  # fmt: skip
+        _input_dtype(phi_q, v),
+        phi_q.shape[-1],
+        phi_q.shape[2],
+        log_space=log_space,
+        causal=True,
+        feat=None,
+        chunk_size=chunk_size,
+        block_v=None,
+    )
     num, den, s1, z1, m1 = _run(cfg, phi_q, None, phi_k, None, v, None, None, key_padding_mask, state)
     length = (0 if state is None else state.length) + phi_q.shape[2]
     m = m1.unsqueeze(-1) if log_space else None  # [B, H, 1]

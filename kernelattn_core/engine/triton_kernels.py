@@ -41,8 +41,24 @@ def _maximum(a, b):
 
 
 @triton.jit
-def _raw(F, X, ROW, W, PH, bh, offs_t, t_ok, N, D, E, FEAT: tl.constexpr, ACC: tl.constexpr,
-         BD: tl.constexpr, BE: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+def _raw(
+    F,
+    X,
+    ROW,
+    W,
+    PH,
+    bh,
+    offs_t,
+    t_ok,
+    N,
+    D,
+    E,
+    FEAT: tl.constexpr,
+    ACC: tl.constexpr,
+    BD: tl.constexpr,
+    BE: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """``[BT, BD]`` features (or log-features) of rows ``offs_t``; garbage where not ``t_ok``."""
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < D
@@ -52,8 +68,9 @@ def _raw(F, X, ROW, W, PH, bh, offs_t, t_ok, N, D, E, FEAT: tl.constexpr, ACC: t
     else:
         offs_e = tl.arange(0, BE)
         e_ok = offs_e < E
-        x = tl.load(X + bh * N * E + offs_t[:, None] * E + offs_e[None, :], mask=t_ok[:, None] & e_ok[None, :],
-                    other=0.0).to(ACC)  # fmt: skip
+        x = tl.load(
+            X + bh * N * E + offs_t[:, None] * E + offs_e[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0
+        ).to(ACC)
         w = tl.load(W + offs_d[:, None] * E + offs_e[None, :], mask=d_ok[:, None] & e_ok[None, :], other=0.0).to(ACC)
         u = tl.dot(x, tl.trans(w), input_precision=PREC, out_dtype=ACC)  # [BT, BD]
         row = tl.load(ROW + bh * N + offs_t, mask=t_ok, other=0.0).to(ACC)
@@ -66,8 +83,28 @@ def _raw(F, X, ROW, W, PH, bh, offs_t, t_ok, N, D, E, FEAT: tl.constexpr, ACC: t
 
 
 @triton.jit
-def _raw_grad(g, DF, DX, DROW, X, ROW, W, PH, slot, bh, offs_t, t_ok, N, D, E, FEAT: tl.constexpr,
-              ACC: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+def _raw_grad(
+    g,
+    DF,
+    DX,
+    DROW,
+    X,
+    ROW,
+    W,
+    PH,
+    slot,
+    bh,
+    offs_t,
+    t_ok,
+    N,
+    D,
+    E,
+    FEAT: tl.constexpr,
+    ACC: tl.constexpr,
+    BD: tl.constexpr,
+    BE: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """Write the gradient ``g [BT, BD]`` with respect to the raw features into slot ``slot``:
     as it is (``FEAT = 0``) or chained to ``x'`` and the row term (fused maps)."""
     offs_d = tl.arange(0, BD)
@@ -84,16 +121,20 @@ def _raw_grad(g, DF, DX, DROW, X, ROW, W, PH, slot, bh, offs_t, t_ok, N, D, E, F
             du = g
             drow = tl.sum(g, 1)
         else:
-            x = tl.load(X + bh * N * E + offs_t[:, None] * E + offs_e[None, :], mask=t_ok[:, None] & e_ok[None, :],
-                        other=0.0).to(ACC)  # fmt: skip
+            x = tl.load(
+                X + bh * N * E + offs_t[:, None] * E + offs_e[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0
+            ).to(ACC)
             u = tl.dot(x, tl.trans(w), input_precision=PREC, out_dtype=ACC)
             ph = tl.load(PH + offs_d, mask=d_ok, other=0.0).to(ACC)
             row = tl.load(ROW + bh * N + offs_t, mask=t_ok, other=0.0).to(ACC)
             drow = tl.sum(tl.cos(u + ph[None, :]) * g, 1)
             du = -row[:, None] * tl.sin(u + ph[None, :]) * g
         dx = tl.dot(du, w, input_precision=PREC, out_dtype=ACC)  # [BT, BE]
-        tl.store(DX + slot * N * E + bh * N * E + offs_t[:, None] * E + offs_e[None, :], dx,
-                 mask=t_ok[:, None] & e_ok[None, :])  # fmt: skip
+        tl.store(
+            DX + slot * N * E + bh * N * E + offs_t[:, None] * E + offs_e[None, :],
+            dx,
+            mask=t_ok[:, None] & e_ok[None, :],
+        )
         tl.store(DROW + slot * N + bh * N + offs_t, drow, mask=t_ok)
 
 
@@ -151,13 +192,41 @@ def _valid_keys(MASK, b, M, offs_t, t_ok, HAS_MASK: tl.constexpr):
 
 @triton.jit
 def causal_fwd_kernel(
-    FQ, XQ, RQ, FK, XK, RK, W, PH, V, MASK,
-    NUM, DEN, MOUT, S0, Z0, M0, S1, Z1, M1,
-    H, N, D, E, DV,
-    FEAT: tl.constexpr, LOG: tl.constexpr, HAS_MASK: tl.constexpr, HAS_STATE: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+    FQ,
+    XQ,
+    RQ,
+    FK,
+    XK,
+    RK,
+    W,
+    PH,
+    V,
+    MASK,
+    NUM,
+    DEN,
+    MOUT,
+    S0,
+    Z0,
+    M0,
+    S1,
+    Z1,
+    M1,
+    H,
+    N,
+    D,
+    E,
+    DV,
+    FEAT: tl.constexpr,
+    LOG: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    BE: tl.constexpr,
     BV: tl.constexpr,
-):  # fmt: skip
+):
     bh = tl.program_id(0).to(tl.int64)
     pv = tl.program_id(1)
     b = bh // H
@@ -182,14 +251,16 @@ def causal_fwd_kernel(
         fq = _query_side(_raw(FQ, XQ, RQ, W, PH, bh, offs_t, t_ok, N, D, E, FEAT, ACC, BD, BE, PREC), t_ok, D, LOG, BD)
         lk = _raw(FK, XK, RK, W, PH, bh, offs_t, t_ok, N, D, E, FEAT, ACC, BD, BE, PREC)
         fk, mc = _key_side(lk, valid, m_prev, D, LOG, BD)
-        v = tl.load(V + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :],
-                    other=0.0).to(ACC)  # fmt: skip
+        v = tl.load(
+            V + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :], other=0.0
+        ).to(ACC)
         v = tl.where(valid[:, None], v, 0.0)  # a padded value never reaches an output (NaN included)
         a = tl.dot(fq, tl.trans(fk), input_precision=PREC, out_dtype=ACC) * _gate(mc, offs_t, t_ok, LOG)
         past = tl.exp(tl.minimum(m_prev - mc, 0.0))  # [BT]
-        num = tl.dot(a, v, input_precision=PREC, out_dtype=ACC) + tl.dot(
-            fq, s, input_precision=PREC, out_dtype=ACC
-        ) * past[:, None]
+        num = (
+            tl.dot(a, v, input_precision=PREC, out_dtype=ACC)
+            + tl.dot(fq, s, input_precision=PREC, out_dtype=ACC) * past[:, None]
+        )
         den = tl.sum(a, 1) + tl.sum(fq * z[None, :], 1) * past
         tl.store(NUM + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :], num, mask=t_ok[:, None] & v_ok[None, :])
         tl.store(DEN + bh * N + offs_t, den, mask=offs_t < tl.where(pv == 0, N, 0))
@@ -207,14 +278,51 @@ def causal_fwd_kernel(
 
 @triton.jit
 def causal_bwd_kernel(
-    FQ, XQ, RQ, FK, XK, RK, W, PH, V, MASK, MOUT, DNUM, DDEN,
-    S0, Z0, M0, DS1, DZ1, M1,
-    DFQ, DXQ, DRQ, DFK, DXK, DRK, DVV, DS0, DZ0,
-    H, N, D, E, DV,
-    FEAT: tl.constexpr, LOG: tl.constexpr, HAS_MASK: tl.constexpr, HAS_STATE: tl.constexpr,
-    HAS_DSTATE: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-    BE: tl.constexpr, BV: tl.constexpr,
-):  # fmt: skip
+    FQ,
+    XQ,
+    RQ,
+    FK,
+    XK,
+    RK,
+    W,
+    PH,
+    V,
+    MASK,
+    MOUT,
+    DNUM,
+    DDEN,
+    S0,
+    Z0,
+    M0,
+    DS1,
+    DZ1,
+    M1,
+    DFQ,
+    DXQ,
+    DRQ,
+    DFK,
+    DXK,
+    DRK,
+    DVV,
+    DS0,
+    DZ0,
+    H,
+    N,
+    D,
+    E,
+    DV,
+    FEAT: tl.constexpr,
+    LOG: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    HAS_DSTATE: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    BE: tl.constexpr,
+    BV: tl.constexpr,
+):
     bh = tl.program_id(0).to(tl.int64)
     pv = tl.program_id(1)
     slot = pv.to(tl.int64) * tl.num_programs(0)
@@ -241,20 +349,25 @@ def causal_bwd_kernel(
         valid = _valid_keys(MASK, b, N, offs_t, t_ok, HAS_MASK)
         lq = _raw(FQ, XQ, RQ, W, PH, bh, offs_t, t_ok, N, D, E, FEAT, ACC, BD, BE, PREC)
         fq = _query_side(lq, t_ok, D, LOG, BD)
-        fk, mc = _key_side(_raw(FK, XK, RK, W, PH, bh, offs_t, t_ok, N, D, E, FEAT, ACC, BD, BE, PREC), valid, m_prev,
-                           D, LOG, BD)  # fmt: skip
-        v = tl.load(V + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :],
-                    other=0.0).to(ACC)  # fmt: skip
+        fk, mc = _key_side(
+            _raw(FK, XK, RK, W, PH, bh, offs_t, t_ok, N, D, E, FEAT, ACC, BD, BE, PREC), valid, m_prev, D, LOG, BD
+        )
+        v = tl.load(
+            V + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :], other=0.0
+        ).to(ACC)
         v = tl.where(valid[:, None], v, 0.0)
-        dnum = tl.load(DNUM + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :],
-                       mask=t_ok[:, None] & v_ok[None, :], other=0.0).to(ACC)  # fmt: skip
+        dnum = tl.load(
+            DNUM + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :], other=0.0
+        ).to(ACC)
         dden = tl.load(DDEN + bh * N + offs_t, mask=offs_t < tl.where(first, N, 0), other=0.0).to(ACC)
         gate = _gate(mc, offs_t, t_ok, LOG)
         da = (tl.dot(dnum, tl.trans(v), input_precision=PREC, out_dtype=ACC) + dden[:, None]) * gate  # [t, j]
         past = tl.exp(tl.minimum(m_prev - mc, 0.0))
-        dfq = tl.dot(da, fk, input_precision=PREC, out_dtype=ACC) + (
-            tl.dot(dnum, tl.trans(s), input_precision=PREC, out_dtype=ACC) + dden[:, None] * z[None, :]
-        ) * past[:, None]
+        dfq = (
+            tl.dot(da, fk, input_precision=PREC, out_dtype=ACC)
+            + (tl.dot(dnum, tl.trans(s), input_precision=PREC, out_dtype=ACC) + dden[:, None] * z[None, :])
+            * past[:, None]
+        )
         if LOG:
             dfq = dfq * fq
         _raw_grad(dfq, DFQ, DXQ, DRQ, XQ, RQ, W, PH, slot, bh, offs_t, t_ok, N, D, E, FEAT, ACC, BD, BE, PREC)
@@ -286,11 +399,13 @@ def causal_bwd_kernel(
             fk = tl.where(ok, tl.exp(tl.minimum(tl.where(ok, lk, float("-inf")) - mc[:, None], 0.0)), 0.0)
         else:
             fk = tl.where(ok, lk, 0.0)
-        v = tl.load(V + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :],
-                    other=0.0).to(ACC)  # fmt: skip
+        v = tl.load(
+            V + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :], other=0.0
+        ).to(ACC)
         v = tl.where(valid[:, None], v, 0.0)
-        dnum = tl.load(DNUM + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :],
-                       mask=t_ok[:, None] & v_ok[None, :], other=0.0).to(ACC)  # fmt: skip
+        dnum = tl.load(
+            DNUM + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :], other=0.0
+        ).to(ACC)
         dden = tl.load(DDEN + bh * N + offs_t, mask=offs_t < tl.where(first, N, 0), other=0.0).to(ACC)
         gate = _gate(mc, offs_t, t_ok, LOG)
         a = tl.dot(fq, tl.trans(fk), input_precision=PREC, out_dtype=ACC) * gate
@@ -302,9 +417,10 @@ def causal_bwd_kernel(
         )
         dv = tl.where(valid[:, None], dv, 0.0)
         tl.store(DVV + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :], dv, mask=t_ok[:, None] & v_ok[None, :])
-        dfk = tl.dot(tl.trans(da), fq, input_precision=PREC, out_dtype=ACC) + (
-            tl.dot(v, tl.trans(rs), input_precision=PREC, out_dtype=ACC) + rz[None, :]
-        ) * later[:, None]
+        dfk = (
+            tl.dot(tl.trans(da), fq, input_precision=PREC, out_dtype=ACC)
+            + (tl.dot(v, tl.trans(rs), input_precision=PREC, out_dtype=ACC) + rz[None, :]) * later[:, None]
+        )
         if LOG:
             dfk = dfk * fk
         dfk = tl.where(valid[:, None], dfk, 0.0)
@@ -324,18 +440,42 @@ def causal_bwd_kernel(
 
 @triton.jit
 def noncausal_fwd_kernel(
-    FQ, XQ, RQ, FK, XK, RK, W, PH, V, MASK, NUM, DEN,
-    H, N, M, D, E, DV,
-    FEAT: tl.constexpr, LOG: tl.constexpr, HAS_MASK: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
-    BT: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, BV: tl.constexpr,
-):  # fmt: skip
+    FQ,
+    XQ,
+    RQ,
+    FK,
+    XK,
+    RK,
+    W,
+    PH,
+    V,
+    MASK,
+    NUM,
+    DEN,
+    H,
+    N,
+    M,
+    D,
+    E,
+    DV,
+    FEAT: tl.constexpr,
+    LOG: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    BE: tl.constexpr,
+    BV: tl.constexpr,
+):
     bh = tl.program_id(0).to(tl.int64)
     pv = tl.program_id(1)
     b = bh // H
     offs_v = pv * BV + tl.arange(0, BV)
     v_ok = offs_v < DV
-    s, z, c = _kv_state(FK, XK, RK, W, PH, V, MASK, bh, b, M, D, E, DV, offs_v, v_ok, FEAT, LOG, HAS_MASK, ACC, PREC,
-                        BT, BD, BE, BV)  # fmt: skip
+    s, z, _ = _kv_state(
+        FK, XK, RK, W, PH, V, MASK, bh, b, M, D, E, DV, offs_v, v_ok, FEAT, LOG, HAS_MASK, ACC, PREC, BT, BD, BE, BV
+    )
     for t0 in range(0, N, BT):
         offs_t = t0 + tl.arange(0, BT)
         t_ok = offs_t < N
@@ -347,9 +487,32 @@ def noncausal_fwd_kernel(
 
 
 @triton.jit
-def _kv_state(FK, XK, RK, W, PH, V, MASK, bh, b, M, D, E, DV, offs_v, v_ok, FEAT: tl.constexpr, LOG: tl.constexpr,
-              HAS_MASK: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-              BE: tl.constexpr, BV: tl.constexpr):  # fmt: skip
+def _kv_state(
+    FK,
+    XK,
+    RK,
+    W,
+    PH,
+    V,
+    MASK,
+    bh,
+    b,
+    M,
+    D,
+    E,
+    DV,
+    offs_v,
+    v_ok,
+    FEAT: tl.constexpr,
+    LOG: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    BE: tl.constexpr,
+    BV: tl.constexpr,
+):
     """:math:`S = \\sum_j e^{l_{k,j} - c} v_j^\\top`, :math:`z`, and :math:`c`, the maximum over
     all valid keys, in one pass (the sums are restated when the maximum grows)."""
     d_ok = tl.arange(0, BD) < D
@@ -362,8 +525,9 @@ def _kv_state(FK, XK, RK, W, PH, V, MASK, bh, b, M, D, E, DV, offs_v, v_ok, FEAT
         valid = _valid_keys(MASK, b, M, offs_t, t_ok, HAS_MASK)
         lk = _raw(FK, XK, RK, W, PH, bh, offs_t, t_ok, M, D, E, FEAT, ACC, BD, BE, PREC)
         ok = valid[:, None] & d_ok[None, :]
-        v = tl.load(V + bh * M * DV + offs_t[:, None] * DV + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :],
-                    other=0.0).to(ACC)  # fmt: skip
+        v = tl.load(
+            V + bh * M * DV + offs_t[:, None] * DV + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :], other=0.0
+        ).to(ACC)
         v = tl.where(valid[:, None], v, 0.0)
         if LOG:
             lk = tl.where(ok, lk, float("-inf"))
@@ -382,12 +546,41 @@ def _kv_state(FK, XK, RK, W, PH, V, MASK, bh, b, M, D, E, DV, offs_v, v_ok, FEAT
 
 @triton.jit
 def noncausal_bwd_kernel(
-    FQ, XQ, RQ, FK, XK, RK, W, PH, V, MASK, DNUM, DDEN,
-    DFQ, DXQ, DRQ, DFK, DXK, DRK, DVV,
-    H, N, M, D, E, DV,
-    FEAT: tl.constexpr, LOG: tl.constexpr, HAS_MASK: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
-    BT: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, BV: tl.constexpr,
-):  # fmt: skip
+    FQ,
+    XQ,
+    RQ,
+    FK,
+    XK,
+    RK,
+    W,
+    PH,
+    V,
+    MASK,
+    DNUM,
+    DDEN,
+    DFQ,
+    DXQ,
+    DRQ,
+    DFK,
+    DXK,
+    DRK,
+    DVV,
+    H,
+    N,
+    M,
+    D,
+    E,
+    DV,
+    FEAT: tl.constexpr,
+    LOG: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    ACC: tl.constexpr,
+    PREC: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    BE: tl.constexpr,
+    BV: tl.constexpr,
+):
     bh = tl.program_id(0).to(tl.int64)
     pv = tl.program_id(1)
     slot = pv.to(tl.int64) * tl.num_programs(0)
@@ -397,16 +590,18 @@ def noncausal_bwd_kernel(
     offs_v = pv * BV + tl.arange(0, BV)
     v_ok = offs_v < DV
     first = pv == 0
-    s, z, c = _kv_state(FK, XK, RK, W, PH, V, MASK, bh, b, M, D, E, DV, offs_v, v_ok, FEAT, LOG, HAS_MASK, ACC, PREC,
-                        BT, BD, BE, BV)  # fmt: skip
+    s, z, c = _kv_state(
+        FK, XK, RK, W, PH, V, MASK, bh, b, M, D, E, DV, offs_v, v_ok, FEAT, LOG, HAS_MASK, ACC, PREC, BT, BD, BE, BV
+    )
     ds = tl.zeros([BD, BV], dtype=ACC)
     dz = tl.zeros([BD], dtype=ACC)
     for t0 in range(0, N, BT):
         offs_t = t0 + tl.arange(0, BT)
         t_ok = offs_t < N
         fq = _query_side(_raw(FQ, XQ, RQ, W, PH, bh, offs_t, t_ok, N, D, E, FEAT, ACC, BD, BE, PREC), t_ok, D, LOG, BD)
-        dnum = tl.load(DNUM + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :],
-                       mask=t_ok[:, None] & v_ok[None, :], other=0.0).to(ACC)  # fmt: skip
+        dnum = tl.load(
+            DNUM + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :], other=0.0
+        ).to(ACC)
         dden = tl.load(DDEN + bh * N + offs_t, mask=offs_t < tl.where(first, N, 0), other=0.0).to(ACC)
         dfq = tl.dot(dnum, tl.trans(s), input_precision=PREC, out_dtype=ACC) + dden[:, None] * z[None, :]
         if LOG:
@@ -424,8 +619,9 @@ def noncausal_bwd_kernel(
             fk = tl.where(ok, tl.exp(tl.minimum(tl.where(ok, lk, float("-inf")) - c, 0.0)), 0.0)
         else:
             fk = tl.where(ok, lk, 0.0)
-        v = tl.load(V + bh * M * DV + offs_t[:, None] * DV + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :],
-                    other=0.0).to(ACC)  # fmt: skip
+        v = tl.load(
+            V + bh * M * DV + offs_t[:, None] * DV + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :], other=0.0
+        ).to(ACC)
         v = tl.where(valid[:, None], v, 0.0)
         dv = tl.where(valid[:, None], tl.dot(fk, ds, input_precision=PREC, out_dtype=ACC), 0.0)
         tl.store(DVV + bh * M * DV + offs_t[:, None] * DV + offs_v[None, :], dv, mask=t_ok[:, None] & v_ok[None, :])
