@@ -65,8 +65,12 @@ def _check_device(t: torch.Tensor) -> None:
         )
 
 
-def _block_v(dv: int, block_v: int | None) -> int:
-    return _pow2(dv if block_v is None else min(block_v, dv))
+def _block_v(dv: int, d: int, block_v: int | None) -> int:
+    """Columns of ``v`` per program: given, or as many as keep the ``[D, BV]`` float32
+    state within 8192 elements (32 KiB of registers: ``BV = 64`` for ``D = 128``)."""
+    if block_v is None:
+        block_v = max(16, 8192 // _pow2(d))
+    return _pow2(min(block_v, dv))
 
 
 class _FeatureAttention(torch.autograd.Function):
@@ -96,7 +100,7 @@ class _FeatureAttention(torch.autograd.Function):
         dev = qa.device
         num = torch.empty(b, h, n, dv, device=dev, dtype=acc)
         den = torch.empty(b, h, n, device=dev, dtype=acc)
-        bv = _block_v(dv, cfg["block_v"])
+        bv = _block_v(dv, d, cfg["block_v"])
         grid = (b * h, triton_cdiv(dv, bv))
         meta = {
             "FEAT": cfg["feat"],
@@ -356,7 +360,8 @@ def feature_attention_triton(
     chunk_size : int
         Positions per chunk (rounded to a power of two in [16, 128]).
     block_v : int, optional
-        Columns of ``v`` per program (all of them by default).
+        Columns of ``v`` per program (by default as many as keep the on-chip state
+        within 32 KiB); the query and key gradients of the blocks are summed.
 
     Returns
     -------
