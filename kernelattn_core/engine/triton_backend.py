@@ -112,6 +112,7 @@ class _FeatureAttention(torch.autograd.Function):
             "BD": _pow2(d),
             "BE": _pow2(e),
             "BV": bv,
+            "num_warps": 8 if _pow2(d) * bv >= 8192 else 4,  # a [D, BV] float32 state of 32 KiB: 64 registers
         }
         fq, xq, rq = (None, qa, qb) if cfg["feat"] else (qa, None, None)
         fk, xk, rk = (None, ka, kb) if cfg["feat"] else (ka, None, None)
@@ -313,7 +314,7 @@ def _run(
             m0 = torch.zeros(b, h, device=v.device, dtype=acc)
         else:
             m0 = state.m.reshape(b, h).to(acc)
-            m0 = torch.where(torch.isfinite(m0), m0, torch.full_like(m0, K.FLOOR)).contiguous()
+            m0 = torch.where(torch.isfinite(m0), m0, torch.full_like(m0, K.FLOOR_VALUE)).contiguous()
     # v keeps its dtype in memory (loaded and widened on chip); features are float32 already
     return _FeatureAttention.apply(
         cfg, c(qa), c(qb), c(ka), c(kb), v.contiguous(), c(omega), c(phase), _mask_arg(key_padding_mask), s0, z0, m0

@@ -32,7 +32,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FLOOR = -1.0e30
+FLOOR_VALUE = -1.0e30
+#: the stabiliser before any valid key (a global must be constexpr inside a compiled kernel)
+FLOOR: tl.constexpr = tl.constexpr(FLOOR_VALUE)
 
 
 @triton.jit
@@ -632,4 +634,12 @@ def noncausal_bwd_kernel(
         _raw_grad(dfk, DFK, DXK, DRK, XK, RK, W, PH, slot, bh, offs_t, t_ok, M, D, E, FEAT, ACC, BD, BE, PREC)
 
 
-__all__ = ["FLOOR", "causal_bwd_kernel", "causal_fwd_kernel", "noncausal_bwd_kernel", "noncausal_fwd_kernel", "triton"]
+__all__ = [
+    "FLOOR",
+    "FLOOR_VALUE",
+    "causal_bwd_kernel",
+    "causal_fwd_kernel",
+    "noncausal_bwd_kernel",
+    "noncausal_fwd_kernel",
+    "triton",
+]
