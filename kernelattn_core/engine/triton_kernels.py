@@ -43,6 +43,15 @@ def _maximum(a, b):
 
 
 @triton.jit
+def _load_w(W, D, E, ACC: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
+    """The frequencies ``ω [BD, BE]``, loaded once per program (fused maps)."""
+    offs_d = tl.arange(0, BD)
+    offs_e = tl.arange(0, BE)
+    mask = (offs_d < D)[:, None] & (offs_e < E)[None, :]
+    return tl.load(W + offs_d[:, None] * E + offs_e[None, :], mask=mask, other=0.0).to(ACC)
+
+
+@triton.jit
 def _raw(
     F,
     X,
@@ -73,7 +82,7 @@ def _raw(
         x = tl.load(
             X + bh * N * E + offs_t[:, None] * E + offs_e[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0
         ).to(ACC)
-        w = tl.load(W + offs_d[:, None] * E + offs_e[None, :], mask=d_ok[:, None] & e_ok[None, :], other=0.0).to(ACC)
+        w = W  # the [BD, BE] tile, loaded once per program
         u = tl.dot(x, tl.trans(w), input_precision=PREC, out_dtype=ACC)  # [BT, BD]
         row = tl.load(ROW + bh * N + offs_t, mask=t_ok, other=0.0).to(ACC)
         if FEAT == 1:
@@ -118,7 +127,7 @@ def _raw_grad(
     else:
         offs_e = tl.arange(0, BE)
         e_ok = offs_e < E
-        w = tl.load(W + offs_d[:, None] * E + offs_e[None, :], mask=d_ok[:, None] & e_ok[None, :], other=0.0).to(ACC)
+        w = W  # the [BD, BE] tile, loaded once per program
         if FEAT == 1:
             du = g
             drow = tl.sum(g, 1)
@@ -232,6 +241,8 @@ def causal_fwd_kernel(
     bh = tl.program_id(0).to(tl.int64)
     pv = tl.program_id(1)
     b = bh // H
+    if FEAT != 0:
+        W = _load_w(W, D, E, ACC, BD, BE)
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < D
     offs_v = pv * BV + tl.arange(0, BV)
@@ -329,6 +340,8 @@ def causal_bwd_kernel(
     pv = tl.program_id(1)
     slot = pv.to(tl.int64) * tl.num_programs(0)
     b = bh // H
+    if FEAT != 0:
+        W = _load_w(W, D, E, ACC, BD, BE)
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < D
     offs_v = pv * BV + tl.arange(0, BV)
@@ -473,6 +486,8 @@ def noncausal_fwd_kernel(
     bh = tl.program_id(0).to(tl.int64)
     pv = tl.program_id(1)
     b = bh // H
+    if FEAT != 0:
+        W = _load_w(W, D, E, ACC, BD, BE)
     offs_v = pv * BV + tl.arange(0, BV)
     v_ok = offs_v < DV
     s, z, _ = _kv_state(
@@ -587,6 +602,8 @@ def noncausal_bwd_kernel(
     pv = tl.program_id(1)
     slot = pv.to(tl.int64) * tl.num_programs(0)
     b = bh // H
+    if FEAT != 0:
+        W = _load_w(W, D, E, ACC, BD, BE)
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < D
     offs_v = pv * BV + tl.arange(0, BV)
