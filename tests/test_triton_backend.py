@@ -306,3 +306,18 @@ def test_gpu_fused_prf_matches_torch_backend(dtype, causal):
     (gq,) = torch.autograd.grad(out.float().square().sum(), q)
     (rq,) = torch.autograd.grad(ref.square().sum(), q)
     torch.testing.assert_close(gq.float(), rq.float(), rtol=10 * tol, atol=10 * tol)
+
+
+def test_more_than_128_features_on_cuda_run_the_torch_computation(monkeypatch):
+    """Wider than the compiled kernels' shared memory allows: the same numbers from torch
+    (fused specs are turned into features first). Forced here on the CPU."""
+    monkeypatch.setattr(T, "_too_wide", lambda v, d: True)
+    est = _estimator("prf-hyperbolic", {})
+    q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = ka.kernel_attention(q, k, v, est, causal=True, backend="triton")
+    ref = ka.kernel_attention(q, k, v, est, causal=True, backend="torch")
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    g = torch.autograd.grad(out.sum(), (q, k, v))
+    r = torch.autograd.grad(ref.sum(), (q, k, v))
+    for a, b in zip(g, r):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -382,6 +382,16 @@ def feature_attention_triton(
         chunk_size=chunk_size,
         block_v=block_v,
     )
+    if _too_wide(v, phi_q.shape[-1]):
+        return _torch_fallback(
+            phi_q,
+            phi_k,
+            v,
+            log_space=log_space,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            chunk_size=chunk_size,
+        )
     out = _run(cfg, phi_q, None, phi_k, None, v, None, None, key_padding_mask)
     return out[0], out[1]
 
@@ -449,8 +459,39 @@ def fused_feature_attention_triton(
         chunk_size=chunk_size,
         block_v=block_v,
     )
+    if _too_wide(v, d):
+        return _torch_fallback(
+            _spec_features(spec, xq, rq, omega, phase),
+            _spec_features(spec, xk, rk, omega, phase),
+            v,
+            log_space=log_space,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            chunk_size=chunk_size,
+        )
     out = _run(cfg, xq, rq, xk, rk, v, omega, phase, key_padding_mask)
     return out[0], out[1]
+
+
+def _too_wide(v: torch.Tensor, d: int) -> bool:
+    """More than 128 features on CUDA: the compiled kernels would exceed the shared memory
+    of an H100 (see docs/backends.rst); the torch computation runs instead."""
+    return v.device.type == "cuda" and _pow2(d) > 128
+
+
+def _spec_features(
+    spec: FusedFeatureSpec, xt: torch.Tensor, row: torch.Tensor, omega: torch.Tensor, phase: torch.Tensor | None
+) -> torch.Tensor:
+    u = xt @ omega.to(xt.dtype).mT  # [..., D]
+    if spec.family == "exp":
+        return u + row.unsqueeze(-1)
+    return row.unsqueeze(-1) * torch.cos(u + phase.to(xt.dtype))
+
+
+def _torch_fallback(phi_q, phi_k, v, **kw):  # type: ignore[no-untyped-def]
+    from .torch_backend import feature_attention_torch
+
+    return feature_attention_torch(phi_q, phi_k, v, **kw)
 
 
 def feature_attention_step_triton(
