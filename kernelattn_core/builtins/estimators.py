@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..engine.backends import Problem, select_backend
+from ..engine.backends import Problem, attend_features, select_backend
 from ..engine.naive import allowed_pairs
 from ..engine.torch_backend import CausalState, compute_dtype, feature_attention_step
 from ..errors import InputError
@@ -327,19 +327,12 @@ class FeatureMapAttention(AttentionEstimator):
             self.redraw_policy.initial(fm, q.shape[-1])
         self.redraw_policy.before_forward(fm, self.training)
         fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)
-        phi_q = fm.raw_features(q, query=True)  # [B, H, N, D]
-        phi_k = fm.raw_features(k, query=False)  # [B, H, M, D]
         problem = Problem(q.device, q.dtype, fm.log_space, causal, torch.is_grad_enabled())
         backend = select_backend(problem, self.backend)
         self.last_backend = backend.name
-        num, den = backend.load()(
-            phi_q,
-            phi_k,
-            v,
-            log_space=fm.log_space,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            chunk_size=self.chunk_size,
+        # fused (features on chip) when the backend and the map allow it, else materialised
+        num, den = attend_features(
+            backend, fm, q, k, v, causal=causal, key_padding_mask=key_padding_mask, chunk_size=self.chunk_size
         )
         out = self.normalizer.post(self.normalizer.normalize(num, den))
         return out.to(v.dtype)

@@ -16,6 +16,7 @@ def kernel_attention(
     *,
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Attention of ``q [B, H, N, d]`` over ``k [B, H, M, d]``, ``v [B, H, M, dv]``.
 
@@ -31,6 +32,14 @@ def kernel_attention(
     key_padding_mask : Tensor ``[B, M]`` of bool, optional
         ``True`` marks a padded key; padded keys leave numerator and normaliser. A
         query whose keys are all masked gets zeros.
+    backend : {"auto", "torch", "triton"} or a registered backend name
+        The feature-attention backend of feature-map estimators. ``"auto"`` picks the
+        fastest available one that supports the call (``"triton"`` for CUDA tensors
+        when Triton imports, else ``"torch"``); a name forces it, and a backend that
+        cannot run the call raises :class:`~kernelattn_core.errors.InputError` saying
+        what it needs. ``"triton"`` runs CPU tensors only under ``TRITON_INTERPRET=1``.
+        Estimators that do not go through feature attention (exact softmax, sampling)
+        accept ``"auto"`` and ``"torch"`` only.
 
     Returns
     -------
@@ -50,4 +59,21 @@ def kernel_attention(
             f"estimator: expected an AttentionEstimator (e.g. kernelattn_core.create('softmax')), "
             f"got {type(estimator).__name__}"
         )
-    return estimator(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+    from ..builtins.estimators import FeatureMapAttention
+    from .backends import _BACKENDS
+
+    if backend != "auto" and backend not in _BACKENDS:
+        raise InputError(f"backend: expected 'auto' or one of {sorted(_BACKENDS)}, got {backend!r}")
+    if backend == "auto" or not isinstance(estimator, FeatureMapAttention):
+        if backend not in ("auto", "torch"):
+            raise InputError(
+                f"backend: estimator {estimator.name!r} does not run through feature-attention backends; "
+                f"expected 'auto' or 'torch', got {backend!r}"
+            )
+        return estimator(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+    saved = estimator.backend
+    estimator.backend = backend  # for this call only
+    try:
+        return estimator(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+    finally:
+        estimator.backend = saved

@@ -6,15 +6,21 @@ loader that imports the implementation only when it is first used. The engine pi
 the available, supporting backend of highest priority (or the one asked for by
 name) and reports which one ran through ``estimator.last_backend``.
 
-Only the plain torch backend exists in the core; fast paths (Triton) register
-themselves here with a higher priority.
+The core registers two: ``torch`` (everywhere) and ``triton`` (CUDA tensors when
+Triton imports; CPU tensors too under ``TRITON_INTERPRET=1``, but only when asked for by
+name). A backend may also offer a *fused* entry (``load_fused``) that computes the
+features on chip from the map's inputs and frequencies
+(:meth:`~kernelattn_core.interfaces.FeatureMap.fused_spec`); :func:`attend_features`
+uses it when the map has a spec and falls back to materialised features otherwise.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -61,6 +67,15 @@ class Backend:
         ``(Problem) -> bool``.
     load : callable
         ``() -> FeatureAttentionFn``; imports the implementation lazily.
+    load_fused : callable, optional
+        ``() -> fn(q, k, v, spec, *, log_space, causal, key_padding_mask, chunk_size)``:
+        the fused entry, features computed on chip from a
+        :class:`~kernelattn_core.interfaces.feature_map.FusedFeatureSpec`.
+    auto : callable, optional
+        ``(Problem) -> bool``: whether automatic selection may pick the backend for a
+        problem it supports (default: whenever it supports it).
+    requirement : str
+        What the backend needs, for error messages.
     """
 
     name: str
@@ -68,6 +83,9 @@ class Backend:
     is_available: Callable[[], bool]
     supports: Callable[[Problem], bool]
     load: Callable[[], FeatureAttentionFn]
+    load_fused: Callable[[], Callable[..., tuple[torch.Tensor, torch.Tensor]]] | None = None
+    auto: Callable[[Problem], bool] | None = None
+    requirement: str = ""
 
 
 def _load_torch() -> FeatureAttentionFn:
@@ -98,15 +116,115 @@ def select_backend(problem: Problem, prefer: str | None = None) -> Backend:
         if prefer not in _BACKENDS:
             raise InputError(f"backend: expected one of {sorted(_BACKENDS)}, got {prefer!r}")
         chosen = _BACKENDS[prefer]
+        needs = f" (it needs {chosen.requirement})" if chosen.requirement else ""
         if not chosen.is_available():
-            raise InputError(f"backend: {prefer!r} is not available on this machine")
+            raise InputError(f"backend: {prefer!r} is not available on this machine{needs}")
         if not chosen.supports(problem):
-            raise InputError(f"backend: {prefer!r} does not support {problem}")
+            raise InputError(
+                f"backend: {prefer!r} cannot run this call{needs}; got {problem.dtype} tensors on {problem.device}"
+            )
         return chosen
     for candidate in backends():
-        if candidate.is_available() and candidate.supports(problem):
+        auto = candidate.auto or candidate.supports
+        if candidate.is_available() and candidate.supports(problem) and auto(problem):
             return candidate
     raise InputError(f"backend: no backend supports {problem}")  # pragma: no cover - torch supports all
 
 
-register_backend(Backend("torch", 0, lambda: True, lambda problem: True, _load_torch))
+def attend_features(
+    backend: Backend,
+    feature_map: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Numerator ``[B, H, N, dv]`` and denominator ``[B, H, N]`` of ``feature_map`` on
+    ``q [B, H, N, d]``, ``k [B, H, M, d]``, ``v [B, H, M, dv]`` through ``backend``.
+
+    Fused when the backend has a fused entry and the map a
+    :meth:`~kernelattn_core.interfaces.FeatureMap.fused_spec` (whose frequencies need no
+    gradient); otherwise the features are materialised with ``raw_features``.
+    """
+    fm = feature_map
+    spec = fm.fused_spec() if backend.load_fused is not None else None
+    if spec is not None and not spec.omega.requires_grad:
+        if q.shape[-1] != fm.head_dim:
+            raise InputError(f"q: expected last dimension d = {fm.head_dim}, got shape {tuple(q.shape)}")
+        half = (torch.float16, torch.bfloat16)
+        q, k = (q.float(), k.float()) if q.dtype in half else (q, k)  # as raw_features does
+        return backend.load_fused()(
+            q,
+            k,
+            v,
+            spec,
+            log_space=fm.log_space,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            chunk_size=chunk_size,
+        )
+    phi_q = fm.raw_features(q, query=True)  # [B, H, N, D]
+    phi_k = fm.raw_features(k, query=False)  # [B, H, M, D]
+    return backend.load()(
+        phi_q,
+        phi_k,
+        v,
+        log_space=fm.log_space,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        chunk_size=chunk_size,
+    )
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def _triton_available() -> bool:
+    """Triton is installed and there is a device for it (CUDA, or the CPU interpreter)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return _interpreting() or torch.cuda.is_available()
+
+
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _triton_supports(problem: Problem) -> bool:
+    if problem.device.type == "cuda":
+        return problem.dtype in _TRITON_DTYPES
+    # the interpreter runs CPU tensors (and float64, for gradient checks)
+    return problem.device.type == "cpu" and _interpreting() and problem.dtype in (*_TRITON_DTYPES, torch.float64)
+
+
+def _load_triton() -> FeatureAttentionFn:
+    from .triton_backend import feature_attention_triton
+
+    return feature_attention_triton
+
+
+def _load_triton_fused() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    from .triton_backend import fused_feature_attention_triton
+
+    return fused_feature_attention_triton
+
+
+register_backend(Backend("torch", 0, lambda: True, lambda problem: True, _load_torch, requirement="nothing"))
+register_backend(
+    Backend(
+        "triton",
+        10,
+        _triton_available,
+        _triton_supports,
+        _load_triton,
+        load_fused=_load_triton_fused,
+        auto=lambda problem: problem.device.type == "cuda",  # never the interpreter unless asked for
+        requirement=(
+            "the triton extra (pip install kernelattn-core[triton]) and CUDA tensors of dtype float16, bfloat16 "
+            "or float32, or CPU tensors with TRITON_INTERPRET=1 set before triton is imported"
+        ),
+    )
+)

@@ -2,7 +2,7 @@
 and attention estimators. ``spec/`` states each contract in prose."""
 
 from .estimator import AttentionEstimator
-from .feature_map import FeatureMap
+from .feature_map import FeatureMap, FusedFeatureSpec
 from .kernel import DotProductKernel, Kernel, KernelFamily, ShiftInvariantKernel
 from .normalizer import Normalizer
 
@@ -10,6 +10,7 @@ __all__ = [
     "AttentionEstimator",
     "DotProductKernel",
     "FeatureMap",
+    "FusedFeatureSpec",
     "Kernel",
     "KernelFamily",
     "Normalizer",

@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -16,6 +18,43 @@ from ..validation import check_budget, check_positive_int, check_tensor
 from .kernel import Kernel
 
 _HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class FusedFeatureSpec:
+    """What a fused backend needs to compute a map's features on chip from ``x`` and ``ω``.
+
+    Two families cover the positive and the trigonometric maps. With
+    :math:`x' = \\mathrm{transform}(x)` (``[..., d']``, differentiable torch code run
+    before the kernel) and :math:`u = x' \\omega^\\top` (``[..., D]``):
+
+    * ``"exp"`` (log-space maps): :math:`\\log\\phi(x)_i = u_i + \\beta(x)`, with the
+      per-row offset :math:`\\beta = \\mathrm{row}(x) \\in \\mathbb{R}` (``[...]``);
+    * ``"trig"``: :math:`\\phi(x)_i = \\rho(x) \\cos(u_i + b_i)`, with the per-row
+      factor :math:`\\rho = \\mathrm{row}(x)` and the phase ``b [D]``
+      (:math:`\\sin u = \\cos(u - \\pi/2)`; ``None`` means zero).
+
+    Two-sided maps (:math:`\\pm\\omega`) state ``omega`` with both signs; the
+    :math:`[N, D]` features then never go to memory, only ``x'`` ``[N, d']``, the row
+    term ``[N]`` and ``omega`` ``[D, d']``.
+
+    Attributes
+    ----------
+    family : {"exp", "trig"}
+    omega : Tensor ``[D, d']``
+        The frequencies, one row per feature (no gradient flows to it).
+    transform : callable
+        ``(x, query: bool) -> x'``, ``[..., d]`` to ``[..., d']`` (``A x`` for CEXP).
+    row : callable
+        ``(x', query: bool) -> [...]``: the offset (``"exp"``) or factor (``"trig"``).
+    phase : Tensor ``[D]`` or None
+    """
+
+    family: str
+    omega: torch.Tensor
+    transform: Callable[[torch.Tensor, bool], torch.Tensor]
+    row: Callable[[torch.Tensor, bool], torch.Tensor]
+    phase: torch.Tensor | None = None
 
 
 class FeatureMap(nn.Module, ABC):
@@ -247,6 +286,16 @@ class FeatureMap(nn.Module, ABC):
     def key_log(self, x: torch.Tensor) -> torch.Tensor:
         """:math:`\\log \\phi_k(x)` (log-space maps only; float32 for half inputs)."""
         return self._log(x, False, "x")
+
+    def fused_spec(self) -> FusedFeatureSpec | None:
+        """How a fused backend computes this map's features on chip, or ``None``.
+
+        ``None`` (the default) makes fused backends use materialised features from
+        :meth:`raw_features`. A map that returns a spec promises that the spec's
+        features equal :meth:`raw_features` (up to the order of the features, which no
+        attention output depends on); see :class:`FusedFeatureSpec`.
+        """
+        return None
 
     def target_kernel(self) -> Kernel:
         """The exact kernel this map estimates, as configured (options, learned parameters).

@@ -21,6 +21,7 @@ from kernelattn_core.claims.types import (
     SymbolicExpectation,
     UnbiasedKernelEstimate,
 )
+from kernelattn_core.interfaces.feature_map import FusedFeatureSpec
 
 from . import claims as C
 from .kernels import GaussianKernel, SpectralKernel, make_kernel
@@ -33,6 +34,16 @@ def _check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise InputError(f"{name}: expected a bool, got {value!r}")
     return value
+
+
+def _identity(x: torch.Tensor, query: bool) -> torch.Tensor:
+    return x
+
+
+def _cos_sin_phase(omega: torch.Tensor) -> torch.Tensor:
+    """``[2m]`` phases ``(0, .., 0, -π/2, .., -π/2)``: :math:`\\cos(u - \\pi/2) = \\sin u`."""
+    m = omega.shape[0]
+    return torch.cat([omega.new_zeros(m), omega.new_full((m,), -math.pi / 2)])
 
 
 class _TrigBase(FeatureMap):
@@ -206,6 +217,16 @@ class RandomFourierFeatures(_TrigBase):
         b = self.phase.to(dtype=x.dtype, device=x.device)
         return math.sqrt(2.0 / m) * torch.cos(u + b)  # [..., m]
 
+    def fused_spec(self) -> FusedFeatureSpec:
+        """The ``"trig"`` family: :math:`\\rho \\cos(x\\omega^\\top + b)` with
+        ``omega`` stacked twice and ``b = (0, -π/2)`` for cos-sin, or the drawn phase."""
+        m = self.num_features
+        if self.variant == "cos-sin":
+            omega, phase, rho = torch.cat([self.omega, self.omega]), _cos_sin_phase(self.omega), 1.0 / math.sqrt(m)
+        else:
+            omega, phase, rho = self.omega, self.phase, math.sqrt(2.0 / m)
+        return FusedFeatureSpec("trig", omega, _identity, lambda x, query: x.new_full(x.shape[:-1], rho), phase)
+
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, kernel={self.spectral!r}, variant={self.variant!r}, orthogonal={self.orthogonal}"
@@ -292,6 +313,21 @@ class TrigSoftmaxFeatures(_TrigBase):
         x = self._checked(x, "q")
         u = self._projection(x)  # [..., m]
         return torch.cat([u.sin(), u.cos()], dim=-1) / math.sqrt(self.num_features)  # [..., 2m]
+
+    def fused_spec(self) -> FusedFeatureSpec:
+        """The ``"trig"`` family: :math:`e^{\\|x\\|^2/2} m^{-1/2} \\cos(x\\omega^\\top + b)` for keys
+        and :math:`m^{-1/2} \\cos(x\\omega^\\top + b)` for queries (the factor that cancels is
+        left out, as in :meth:`raw_features`), ``omega`` stacked twice, ``b = (-π/2, 0)``
+        (sin then cos)."""
+        root = math.sqrt(self.num_features)
+
+        def row(x: torch.Tensor, query: bool) -> torch.Tensor:
+            if query:  # the cancelling factor e^{|q|^2/2} is left out (finite at large norms)
+                return torch.full_like(x[..., 0], 1.0 / root)  # [...]
+            return torch.exp(0.5 * (x * x).sum(-1)) / root  # [...]
+
+        omega = torch.cat([self.omega, self.omega])
+        return FusedFeatureSpec("trig", omega, _identity, row, _cos_sin_phase(self.omega).flip(0))
 
 
 class RFAFeatures(_TrigBase):

@@ -21,6 +21,7 @@ from kernelattn_core.claims import (
     SymbolicExpectation,
     UnbiasedKernelEstimate,
 )
+from kernelattn_core.interfaces.feature_map import FusedFeatureSpec
 
 from . import adaptation
 from .sampling import block_orthogonal_rows, chi_norms, num_blocks
@@ -166,6 +167,18 @@ class PositiveRandomFeatures(FeatureMap):
             proj = torch.cat([proj, -proj], dim=-1)  # [..., 2m]
         half_sq = 0.5 * (x * x).sum(-1, keepdim=True)  # [..., 1]
         return proj - half_sq - 0.5 * math.log(proj.shape[-1])
+
+    def fused_spec(self) -> FusedFeatureSpec:
+        """The ``"exp"`` family: :math:`\\log\\phi = x'\\omega^\\top - \\|x'\\|^2/2 - \\tfrac12\\log D`
+        with :math:`x'` = :meth:`transform` (``A x`` / ``A^{-T} y`` for CEXP) and
+        :math:`\\pm\\omega` stacked for the two-sided maps."""
+        omega = torch.cat([self.omega, -self.omega]) if self.two_sided else self.omega  # [D, d]
+        log_d = 0.5 * math.log(omega.shape[0])
+
+        def row(x: torch.Tensor, query: bool) -> torch.Tensor:
+            return -0.5 * (x * x).sum(-1) - log_d  # [...]
+
+        return FusedFeatureSpec("exp", omega, lambda x, query: self.transform(x, query=query), row)
 
     def extra_repr(self) -> str:
         extra = f", orthogonal=True, norm={self.norm!r}" if self.orthogonal else ""
