@@ -421,9 +421,9 @@ def _accepts_head_dim(name: str) -> bool:
 
 
 def _accepts(name: str, option: str) -> bool:
-    from .registry import get_registry
+    from .lookup import resolve
 
-    entry = get_registry().get(name)
+    entry = resolve(name)
     return entry.kind in ("feature_map", "estimator") and option in _init_params(entry.cls)
 
 

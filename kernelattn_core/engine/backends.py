@@ -140,7 +140,7 @@ def attend_features(
     *,
     causal: bool,
     key_padding_mask: torch.Tensor | None,
-    chunk_size: int,
+    chunk_size: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Numerator ``[B, H, N, dv]`` and denominator ``[B, H, N]`` of ``feature_map`` on
     ``q [B, H, N, d]``, ``k [B, H, M, d]``, ``v [B, H, M, dv]`` through ``backend``.

@@ -281,10 +281,14 @@ def _mask_arg(key_padding_mask: torch.Tensor | None) -> torch.Tensor | None:
     return None if key_padding_mask is None else key_padding_mask.to(torch.int8).contiguous()
 
 
-def _chunk(chunk_size: int, n: int) -> int:
-    """Positions per chunk: ``chunk_size`` rounded up to a power of two in [16, 128]
-    (and no longer than the sequence needs). The result does not depend on it beyond
-    rounding."""
+def _chunk(chunk_size: int | None, n: int) -> int:
+    """Positions per chunk: ``chunk_size`` (``None``: the torch backend's measured
+    default) rounded up to a power of two in [16, 128] (and no longer than the sequence
+    needs). The result does not depend on it beyond rounding."""
+    if chunk_size is None:
+        from .chunked import DEFAULT_CHUNK
+
+        chunk_size = DEFAULT_CHUNK
     return min(_pow2(min(chunk_size, 128)), _pow2(n))
 
 
@@ -326,7 +330,7 @@ def _run(
 
 
 def _config(
-    dtype: torch.dtype, d: int, n: int, *, log_space: bool, causal: bool, feat: str | None, chunk_size: int, block_v
+    dtype: torch.dtype, d: int, n: int, *, log_space: bool, causal: bool, feat: str | None, chunk_size: int | None, block_v
 ) -> dict:
     if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise InputError(f"v: expected float16, bfloat16, float32 or float64, got {dtype}")
@@ -349,7 +353,7 @@ def feature_attention_triton(
     log_space: bool,
     causal: bool,
     key_padding_mask: torch.Tensor | None,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     block_v: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Numerator ``[B, H, N, dv]`` and denominator ``[B, H, N]`` from materialised features.
@@ -418,7 +422,7 @@ def fused_feature_attention_triton(
     log_space: bool,
     causal: bool,
     key_padding_mask: torch.Tensor | None,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     block_v: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Feature-map attention with the features computed on chip.
@@ -502,7 +506,7 @@ def feature_attention_step_triton(
     log_space: bool,
     key_padding_mask: torch.Tensor | None,
     state: CausalState | None,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, CausalState]:
     """Causal attention of new positions given the state of the earlier ones (decoding).
 
