@@ -102,10 +102,15 @@ def test_fm001_unbiasedness_catches_a_three_percent_bias(reg) -> None:  # type: 
 
 
 def test_fm002_positivity(reg) -> None:  # type: ignore[no-untyped-def]
-    assert _verdict(reg, "checked-prf", "FM002") == "pass"
     assert _verdict(reg, "elu", "FM002") == "pass"
     bad = _results(reg, "wrongly-positive", "FM002")[0]
-    assert bad.verdict == "fail" and bad.numbers["non_positive"] > 0
+    assert bad.verdict == "fail" and bad.numbers["non_positive_or_nonfinite"] > 0
+
+
+def test_fm002_is_refused_for_log_space_maps_where_it_cannot_fail(reg) -> None:  # type: ignore[no-untyped-def]
+    assert "FM002" not in {c.rule for c in claims_of(reg.get("checked-prf"))}  # not implied by `positive`
+    result = check_claim(reg.get("checked-prf"), C.PositiveFeatures())
+    assert result.verdict == "fail" and "log-space" in result.numbers["error"]
 
 
 def test_fm003_variance_against_closed_form(reg) -> None:  # type: ignore[no-untyped-def]
@@ -140,8 +145,8 @@ def test_at002_consistency(reg) -> None:  # type: ignore[no-untyped-def]
 
 def test_implied_claims_from_capability_data(reg) -> None:  # type: ignore[no-untyped-def]
     rules = {c.rule for c in claims_of(reg.get("softmax"))}
-    assert {"KN001", "KN002", "KN003"} <= rules
-    assert {c.rule for c in claims_of(reg.get("toy-prf"))} == {"FM001", "FM002"}
+    assert {"KN001", "KN002", "KN003", "KN006"} <= rules
+    assert {c.rule for c in claims_of(reg.get("toy-prf"))} == {"FM001"}  # log space: FM002 holds by construction
     assert {c.rule for c in claims_of(reg.get("toy-trig"))} == {"FM001"}
 
 
@@ -154,13 +159,13 @@ def test_a_crashing_check_is_a_failure_with_the_reason(reg) -> None:  # type: ig
 def test_verify_cli_json_records_and_exit_code(reg, capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["verify", "softmax", "toy-prf", "--format", "json"]) == 0
     records = json.loads(capsys.readouterr().out)
-    assert {r["rule"] for r in records} == {"KN001", "KN002", "KN003", "FM001", "FM002"}
+    assert {r["rule"] for r in records} == {"KN001", "KN002", "KN003", "KN006", "FM001"}
     for r in records:
         assert set(r) == {"rule", "plugin", "target", "claim", "numbers", "verdict"}
         assert r["verdict"] == "pass" and isinstance(r["numbers"], dict)
     assert main(["verify", "off-by-one-term", "--no-progress"]) == 1
     out = capsys.readouterr().out
-    assert "KN001" in out and "fail" in out and "2 passed, 1 failed" in out
+    assert "KN001" in out and "fail" in out and "3 passed, 1 failed" in out
 
 
 def test_verify_by_plugin_name_and_unknown_name(reg, capsys) -> None:  # type: ignore[no-untyped-def]
