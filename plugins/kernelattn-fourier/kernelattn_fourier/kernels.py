@@ -462,14 +462,15 @@ MaternKernel.claims = (
     KernelClosedForm(expression=_claims.matern52_closed_form, options={"nu": 2.5}),
     SpectralDensityIntegral(options={"nu": 1.5}),
     SpectralDensityIntegral(options={"nu": 2.5}),
-) + tuple(
-    QuadratureIdentity(evaluate=fn, label=f"matern nu={nu} spectral density, d={d}")
-    for fn, nu, d in (
-        (hp_matern12_1d, "1/2", 1),
-        (hp_matern12_2d, "1/2", 2),
-        (hp_matern32_1d, "3/2", 1),
-        (hp_matern32_2d, "3/2", 2),
-        (hp_matern52_1d, "5/2", 1),
-        (hp_matern52_2d, "5/2", 2),
-    )
+    *(
+        QuadratureIdentity(evaluate=fn, label=f"matern nu={nu} spectral density, d={d}")
+        for fn, nu, d in (
+            (hp_matern12_1d, "1/2", 1),
+            (hp_matern12_2d, "1/2", 2),
+            (hp_matern32_1d, "3/2", 1),
+            (hp_matern32_2d, "3/2", 2),
+            (hp_matern52_1d, "5/2", 1),
+            (hp_matern52_2d, "5/2", 2),
+        )
+    ),
 )
