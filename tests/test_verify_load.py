@@ -96,3 +96,41 @@ def test_conformance_tests_of_a_missing_plugin_fail_the_pytest_run(tmp_path: Pat
     )
     assert proc.returncode != 0, proc.stdout
     assert "no-such-plugin" in proc.stdout
+
+
+def test_unbiasedness_is_checked_per_mode() -> None:
+    """``ra`` is unbiased in training; evaluation drops the noise (biased) unless
+    ``eval_noise=True``: its flags say so (``unbiased_modes``) and its claims check both."""
+    from kernelattn_core import claims as C
+    from kernelattn_core.verify import check_claim, claims_of
+
+    registry = ka.Registry(autoload=True)
+    entry = registry.get("ra")
+    assert entry.cls.unbiased_modes == ("train",)
+    at001 = [c for c in claims_of(entry) if isinstance(c, C.UnbiasedAttention)]
+    assert {(c.mode, c.expect, dict(c.options).get("eval_noise", False)) for c in at001} == {
+        ("train", "pass", False),
+        ("eval", "fail", False),
+        ("eval", "pass", True),
+    }
+    import kernelattn_core.registry as rm
+
+    old = rm._REGISTRY
+    rm._REGISTRY = registry
+    try:
+        eval_default = check_claim(entry, C.UnbiasedAttention(num_features=1, mode="eval", redraws=600), "full")
+    finally:
+        rm._REGISTRY = old
+    assert eval_default.verdict == "fail" and eval_default.numbers["max_abs_z"] > 10
+
+
+def test_a_class_flagged_unbiased_is_checked_in_eval_mode_too() -> None:
+    from kernelattn_core.verify import claims_of
+
+    from . import toy_plugin, verify_plugin
+
+    registry = ka.Registry(autoload=False)
+    registry.register_plugin(toy_plugin, "toys")
+    registry.register_plugin(verify_plugin, "verify-tests")
+    modes = sorted(c.mode for c in claims_of(registry.get("toy-ra")) if c.rule == "AT001")
+    assert modes == ["eval", "train"]

@@ -285,7 +285,14 @@ class PmfSumsToOne(Claim):
 @dataclass(frozen=True)
 class UnbiasedAttention(Claim):
     """AT001: the attention output is an unbiased estimate of exact softmax attention
-    (randomized attention); Monte Carlo z-test in float64 over ``redraws`` draws."""
+    (randomized attention); Monte Carlo z-test in float64 over ``redraws`` draws.
+
+    ``mode`` is the module mode the estimator runs in (``"train"`` or ``"eval"``):
+    unbiasedness is a property of a mode, since an estimator may draw differently in
+    evaluation (``ra`` drops its Gaussian noise there unless ``eval_noise=True``), and
+    a class flagged ``unbiased`` lists the modes where it holds in ``unbiased_modes``
+    (``("train", "eval")`` when absent).
+    """
 
     rule: ClassVar[str] = "AT001"
     summary: ClassVar[str] = "attention output is unbiased for softmax attention"
@@ -294,6 +301,7 @@ class UnbiasedAttention(Claim):
     num_features: int = 1
     redraws: int = 4000
     logit_std: float = 0.5
+    mode: str = "train"
     options: Options = field(default_factory=dict)
 
 

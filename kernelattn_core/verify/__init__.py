@@ -23,6 +23,7 @@ load, raises :class:`~kernelattn_core.errors.PluginError` naming the load error:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -96,6 +97,15 @@ def claims_of(entry: Entry) -> list[Claim]:
             claims.append(SpectralDensityIntegral())
         if PositiveDefinite not in declared and not getattr(cls, "indefinite", False):
             claims.append(PositiveDefinite())
+    if entry.kind == "estimator" and getattr(cls, "unbiased", False):
+        # unbiasedness is per mode: a flagged class is checked in every mode it claims it for
+        modes = tuple(getattr(cls, "unbiased_modes", ("train", "eval")))
+        declared_modes = {c.mode for c in claims if isinstance(c, UnbiasedAttention) and c.expect == "pass"}
+        base = next((c for c in claims if isinstance(c, UnbiasedAttention) and c.expect == "pass"), None)
+        if base is not None:
+            for mode in modes:
+                if mode not in declared_modes:
+                    claims.append(dataclasses.replace(base, mode=mode))
     if entry.kind == "feature_map":
         if cls.positive and not cls.log_space and PositiveFeatures not in declared:
             claims.append(PositiveFeatures())

@@ -306,16 +306,26 @@ def _factory(entry: Any) -> Any:
 
 
 def attention_draws(
-    entry: Any, budget: int, options: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, redraws: int, seed: int
+    entry: Any,
+    budget: int,
+    options: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    redraws: int,
+    seed: int,
+    mode: str = "train",
 ) -> torch.Tensor:
-    """``[redraws, N, dv]`` outputs of independently seeded estimators (train mode);
-    ``entry`` is a registry entry or name."""
+    """``[redraws, N, dv]`` outputs of independently seeded estimators in ``mode``
+    (``"train"`` or ``"eval"``); ``entry`` is a registry entry or name."""
+    if mode not in ("train", "eval"):
+        raise ValueError(f"mode: expected 'train' or 'eval', got {mode!r}")
     make = _factory(entry)
     outs = []
     with torch.no_grad():
         for r in range(redraws):
             torch.manual_seed(seed + r)
-            est = make(budget, options).double().train()
+            est = make(budget, options).double().train(mode == "train")
             outs.append(est(q, k, v)[0, 0])
     return torch.stack(outs)
 
@@ -327,14 +337,17 @@ def check_unbiased_attention(name: Any, claim: UnbiasedAttention, level: str, **
     redraws = _scaled(level, claim.redraws)
     q, k, v = _attention_inputs(claim.dim, claim.seq_len, claim.logit_std, SEED)
     exact = create("softmax")(q, k, v)[0, 0]
-    outs = attention_draws(name, claim.num_features, claim.options, q, k, v, redraws, SEED)
+    outs = attention_draws(name, claim.num_features, claim.options, q, k, v, redraws, SEED, claim.mode)
     mean, se = outs.mean(0), outs.std(0) / math.sqrt(redraws)
     z = ((mean - exact) / se.clamp_min(1e-300)).abs()
     threshold = z_threshold(exact.numel())
     sensitivity = _sensitivity(threshold, se, exact)
     return CheckResult(
         UnbiasedAttention.rule,
-        claim=f"E[output] == softmax attention (d={claim.dim}, N={claim.seq_len}, budget {claim.num_features})",
+        claim=(
+            f"E[output] == softmax attention (d={claim.dim}, N={claim.seq_len}, budget {claim.num_features}, "
+            f"{claim.mode} mode)"
+        ),
         numbers={
             "max_abs_z": round(float(z.max()), 3),
             "z_threshold": round(threshold, 3),
