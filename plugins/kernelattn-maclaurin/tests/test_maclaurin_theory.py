@@ -6,14 +6,14 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from kernelattn_core.errors import InputError
 from kernelattn_maclaurin.theory import (
     premise_violation_rate,
     required_features,
     theorem2_bound,
     theorem3_counterexample,
 )
+
+from kernelattn_core.errors import InputError
 
 # spec 001 §6.2, L = 1: bound values and the smallest D with bound <= 0.05
 TABLE = {
