@@ -449,6 +449,8 @@ def hp_matern52_2d(dps: int) -> tuple[Any, Any, str]:
 GaussianKernel.claims = (
     KernelClosedForm(expression=_claims.gaussian_closed_form),
     KernelClosedForm(expression=_claims.gaussian_closed_form_l07, options={"lengthscale": 0.7}),
+    # negative control: the lengthscale-1 formula against the lengthscale-0.7 kernel
+    KernelClosedForm(expression=_claims.gaussian_closed_form, options={"lengthscale": 0.7}, expect="fail"),
     SpectralDensityIntegral(options={"lengthscale": 0.7}),
 )
 LaplacianKernel.claims = (

@@ -47,3 +47,19 @@ def eq34_quadrature(x: Sequence[Any], a_diag: Sequence[Any]) -> Any:
             lambda t, xi=xi, a=a: mpmath.exp(-a * t * t) * mpmath.cos(2 * xi * t), [-mpmath.inf, 0, mpmath.inf]
         )
     return out
+
+
+# --------------------------------------------------------------------------- HP001 claims
+_X, _A = ("0.4", "-1.1"), ("0.8", "2.5")
+
+
+def hp_eq34_corrected(dps: int) -> tuple[Any, Any, str]:
+    """HP001: the 2-D Gaussian cosine integral by quadrature equals the corrected Eq. 34."""
+    with mpmath.workdps(dps):
+        return eq34_quadrature(_X, _A), eq34_corrected(_X, _A), f"x = {_X}, diag A = {_A}"
+
+
+def hp_eq34_printed(dps: int) -> tuple[Any, Any, str]:
+    """HP001 negative control: the printed Eq. 34 (with :math:`2^{-m}`) against quadrature."""
+    with mpmath.workdps(dps):
+        return eq34_quadrature(_X, _A), eq34_printed(_X, _A), f"printed Eq. 34, x = {_X}, diag A = {_A}"
