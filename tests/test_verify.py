@@ -183,3 +183,42 @@ def test_declared_negative_control_passes_only_when_the_checker_rejects(reg) -> 
     assert wrong.verdict == "fail"  # an unbiased estimator is no negative control of AT001
     crash = check_claim(reg.get("toy-prf"), C.EstimateVariance(variance=None, expect="fail"))
     assert crash.verdict == "fail" and "error" in crash.numbers  # a crashing check proves nothing
+
+
+# --------------------------------------------------------------------------- kernels of any family
+def test_kn004_closed_form(reg) -> None:  # type: ignore[no-untyped-def]
+    from kernelattn_core.verify.kernels import check_closed_form
+
+    def exp_dot(x, y):  # type: ignore[no-untyped-def]
+        import mpmath
+
+        return mpmath.exp(mpmath.fsum(a * b for a, b in zip(x, y)))
+
+    good = check_closed_form(verify_plugin.GoodExp(), C.KernelClosedForm(expression=exp_dot), plugin="t", target="t")
+    assert good.verdict == "pass" and good.numbers["min_digits_agreed"] >= 11
+    bad = check_closed_form(
+        verify_plugin.WrongTorchFunction(), C.KernelClosedForm(expression=exp_dot), plugin="t", target="t"
+    )
+    assert bad.verdict == "fail" and bad.numbers["min_digits_agreed"] < 11
+
+
+def test_kn005_spectral_density_integral() -> None:
+    from kernelattn_fourier.kernels import GaussianKernel, LaplacianKernel
+
+    from kernelattn_core.verify.kernels import check_spectral_integral
+
+    claim = C.SpectralDensityIntegral(deltas=(0.0, 0.8))
+    good = check_spectral_integral(LaplacianKernel(), claim, plugin="t", target="t")
+    assert good.verdict == "pass"
+
+    class LaplacianWithGaussianDensity(LaplacianKernel):  # a map sampling the wrong density
+        spectral_density_mp = GaussianKernel.spectral_density_mp
+
+    bad = check_spectral_integral(LaplacianWithGaussianDensity(), claim, plugin="t", target="t")
+    assert bad.verdict == "fail" and bad.numbers["min_digits_agreed"] < 3
+
+
+def test_kn006_positive_definite(reg) -> None:  # type: ignore[no-untyped-def]
+    assert _verdict(reg, "good-exp", "KN006") == "pass"
+    bad = _results(reg, "negative-coefficient", "KN006")[0]  # exp(-x.y) is not positive definite
+    assert bad.verdict == "fail" and bad.numbers["min_eig_over_max"] < -1e-10
