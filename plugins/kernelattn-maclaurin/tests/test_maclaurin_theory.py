@@ -64,3 +64,12 @@ def test_d3_theorem3_is_not_an_identity() -> None:
     assert left.tolist() == pytest.approx([1.0] * 5, abs=1e-15)  # convex combination of ones
     assert r > 1
     assert bool((right > 1.01).all())  # every entry of the "restored" side is off by more than 1 %
+
+
+@pytest.mark.slow
+def test_m5_nmse_falls_as_one_over_d_with_the_papers_magnitude() -> None:
+    from kernelattn_maclaurin.theory import loglog_slope, nmse_by_budget
+
+    values = nmse_by_budget((16, 64, 256), n=200, dim=64, repeats=4)
+    assert loglog_slope(values) == pytest.approx(-1.0, abs=0.25)
+    assert 1e-4 < values[256] < 6e-4  # spec anchor: 3.0e-4 at n = 200, d = 64, D = 256
