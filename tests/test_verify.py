@@ -102,10 +102,15 @@ def test_fm001_unbiasedness_catches_a_three_percent_bias(reg) -> None:  # type: 
 
 
 def test_fm002_positivity(reg) -> None:  # type: ignore[no-untyped-def]
-    assert _verdict(reg, "checked-prf", "FM002") == "pass"
     assert _verdict(reg, "elu", "FM002") == "pass"
     bad = _results(reg, "wrongly-positive", "FM002")[0]
-    assert bad.verdict == "fail" and bad.numbers["non_positive"] > 0
+    assert bad.verdict == "fail" and bad.numbers["non_positive_or_nonfinite"] > 0
+
+
+def test_fm002_is_refused_for_log_space_maps_where_it_cannot_fail(reg) -> None:  # type: ignore[no-untyped-def]
+    assert "FM002" not in {c.rule for c in claims_of(reg.get("checked-prf"))}  # not implied by `positive`
+    result = check_claim(reg.get("checked-prf"), C.PositiveFeatures())
+    assert result.verdict == "fail" and "log-space" in result.numbers["error"]
 
 
 def test_fm003_variance_against_closed_form(reg) -> None:  # type: ignore[no-untyped-def]
@@ -140,8 +145,8 @@ def test_at002_consistency(reg) -> None:  # type: ignore[no-untyped-def]
 
 def test_implied_claims_from_capability_data(reg) -> None:  # type: ignore[no-untyped-def]
     rules = {c.rule for c in claims_of(reg.get("softmax"))}
-    assert {"KN001", "KN002", "KN003"} <= rules
-    assert {c.rule for c in claims_of(reg.get("toy-prf"))} == {"FM001", "FM002"}
+    assert {"KN001", "KN002", "KN003", "KN006"} <= rules
+    assert {c.rule for c in claims_of(reg.get("toy-prf"))} == {"FM001"}  # log space: FM002 holds by construction
     assert {c.rule for c in claims_of(reg.get("toy-trig"))} == {"FM001"}
 
 
@@ -154,13 +159,13 @@ def test_a_crashing_check_is_a_failure_with_the_reason(reg) -> None:  # type: ig
 def test_verify_cli_json_records_and_exit_code(reg, capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["verify", "softmax", "toy-prf", "--format", "json"]) == 0
     records = json.loads(capsys.readouterr().out)
-    assert {r["rule"] for r in records} == {"KN001", "KN002", "KN003", "FM001", "FM002"}
+    assert {r["rule"] for r in records} == {"KN001", "KN002", "KN003", "KN006", "FM001"}
     for r in records:
         assert set(r) == {"rule", "plugin", "target", "claim", "numbers", "verdict"}
         assert r["verdict"] == "pass" and isinstance(r["numbers"], dict)
     assert main(["verify", "off-by-one-term", "--no-progress"]) == 1
     out = capsys.readouterr().out
-    assert "KN001" in out and "fail" in out and "2 passed, 1 failed" in out
+    assert "KN001" in out and "fail" in out and "3 passed, 1 failed" in out
 
 
 def test_verify_by_plugin_name_and_unknown_name(reg, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -178,3 +183,42 @@ def test_declared_negative_control_passes_only_when_the_checker_rejects(reg) -> 
     assert wrong.verdict == "fail"  # an unbiased estimator is no negative control of AT001
     crash = check_claim(reg.get("toy-prf"), C.EstimateVariance(variance=None, expect="fail"))
     assert crash.verdict == "fail" and "error" in crash.numbers  # a crashing check proves nothing
+
+
+# --------------------------------------------------------------------------- kernels of any family
+def test_kn004_closed_form(reg) -> None:  # type: ignore[no-untyped-def]
+    from kernelattn_core.verify.kernels import check_closed_form
+
+    def exp_dot(x, y):  # type: ignore[no-untyped-def]
+        import mpmath
+
+        return mpmath.exp(mpmath.fsum(a * b for a, b in zip(x, y)))
+
+    good = check_closed_form(verify_plugin.GoodExp(), C.KernelClosedForm(expression=exp_dot), plugin="t", target="t")
+    assert good.verdict == "pass" and good.numbers["min_digits_agreed"] >= 11
+    bad = check_closed_form(
+        verify_plugin.WrongTorchFunction(), C.KernelClosedForm(expression=exp_dot), plugin="t", target="t"
+    )
+    assert bad.verdict == "fail" and bad.numbers["min_digits_agreed"] < 11
+
+
+def test_kn005_spectral_density_integral() -> None:
+    from kernelattn_fourier.kernels import GaussianKernel, LaplacianKernel
+
+    from kernelattn_core.verify.kernels import check_spectral_integral
+
+    claim = C.SpectralDensityIntegral(deltas=(0.0, 0.8))
+    good = check_spectral_integral(LaplacianKernel(), claim, plugin="t", target="t")
+    assert good.verdict == "pass"
+
+    class LaplacianWithGaussianDensity(LaplacianKernel):  # a map sampling the wrong density
+        spectral_density_mp = GaussianKernel.spectral_density_mp
+
+    bad = check_spectral_integral(LaplacianWithGaussianDensity(), claim, plugin="t", target="t")
+    assert bad.verdict == "fail" and bad.numbers["min_digits_agreed"] < 3
+
+
+def test_kn006_positive_definite(reg) -> None:  # type: ignore[no-untyped-def]
+    assert _verdict(reg, "good-exp", "KN006") == "pass"
+    bad = _results(reg, "negative-coefficient", "KN006")[0]  # exp(-x.y) is not positive definite
+    assert bad.verdict == "fail" and bad.numbers["min_eig_over_max"] < -1e-10

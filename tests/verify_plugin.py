@@ -139,7 +139,6 @@ class CheckedPRF(ToyPRF):
     name: ClassVar[str] = "checked-prf"
     claims: ClassVar[tuple] = (
         C.UnbiasedKernelEstimate(dims=(8, 32)),
-        C.PositiveFeatures(),
         C.EstimateVariance(variance=prf_variance),
         C.ErrorDecay(),
         C.SymbolicExpectation(derive=prf_expectation_1d),

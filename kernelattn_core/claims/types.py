@@ -3,7 +3,7 @@
 A class lists its claims in its ``claims`` class attribute; the checkers in
 :mod:`kernelattn_core.verify` read them, and ``kernelattn verify`` and the
 conformance kit run them. Each claim type has a stable rule ID documented in
-``spec/claims.md``. IDs are never reused: a retired rule keeps its number.
+``spec/claims.rst``. IDs are never reused: a retired rule keeps its number.
 
 Rule families: ``FM`` feature maps, ``KN`` kernels, ``SP`` sampling
 distributions, ``AT`` attention estimators, ``HP`` high-precision identities.
@@ -24,7 +24,8 @@ class Claim:
 
     ``expect="fail"`` declares a negative control: the class is known *not* to satisfy
     the claim (for example biased randomized attention against the unbiasedness test),
-    and the check passes only when the checker rejects it.
+    and the check passes only when the checker rejects it. ``kernelattn verify`` lists
+    these rows as "negative control, must fail", so every checker is seen failing.
     """
 
     rule: ClassVar[str] = ""
@@ -73,8 +74,14 @@ class UnbiasedKernelEstimate(Claim):
 
 @dataclass(frozen=True)
 class PositiveFeatures(Claim):
-    """FM002: every feature is :math:`> 0` (implied by the ``positive`` flag; checked on
-    inputs of large norm and many draws)."""
+    """FM002: every feature the map returns (:meth:`query` and :meth:`key`, the tensors
+    attention uses) is :math:`> 0` and finite, on inputs of large norm and many draws.
+
+    Implied by the ``positive`` flag for maps that compute features directly. A
+    log-space map (``log_space=True``) is positive by construction (the engine only
+    ever exponentiates its log-features), so the claim cannot fail there and the
+    checker refuses it: the ``positive`` flag of a log-space map is justified by
+    ``log_space`` alone."""
 
     rule: ClassVar[str] = "FM002"
     summary: ClassVar[str] = "features are positive"
@@ -132,11 +139,19 @@ class SymbolicExpectation(Claim):
     expectation computed symbolically from the estimator's form, and the kernel's
     closed form) and a line saying how the expectation was taken. The checker
     verifies that ``simplify(expectation - target) == 0``.
+
+    A ``derive`` with a ``feature_map`` parameter receives the map built as the
+    registered class builds it (``head_dim=dim``, ``num_features``, ``options``), so the
+    derivation reads the runtime object (its weights, coefficients, sampling law)
+    instead of restating the formula it checks.
     """
 
     rule: ClassVar[str] = "FM005"
     summary: ClassVar[str] = "symbolic expectation of the estimator equals the kernel"
-    derive: Callable[[], tuple[Any, Any, str]] | None = None
+    derive: Callable[..., tuple[Any, Any, str]] | None = None
+    dim: int = 4
+    num_features: int = 16
+    options: Options = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -154,7 +169,10 @@ class MaclaurinCoefficients(Claim):
 @dataclass(frozen=True)
 class NonNegativeCoefficients(Claim):
     """KN002: :math:`a_n \\ge 0` for :math:`n \\le` ``order`` (Schoenberg: a positive-definite
-    dot-product kernel on every sphere)."""
+    dot-product kernel on every sphere), and the coefficients the runtime uses agree with
+    ``coefficient(n)``: a kernel with ``log_coefficients(n_max)`` (the log-space table
+    random Maclaurin weights are built from, which cannot encode a sign) must give
+    :math:`\\log a_n` to 12 digits, :math:`-\\infty` exactly where :math:`a_n = 0`."""
 
     rule: ClassVar[str] = "KN002"
     summary: ClassVar[str] = "Maclaurin coefficients are non-negative"
@@ -173,6 +191,68 @@ class KernelMatchesExpression(Claim):
     options: Options = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class KernelClosedForm(Claim):
+    """KN004: the torch kernel :math:`K(x, y)` equals a closed form evaluated in mpmath
+    at 30 digits, on ``points`` random pairs per dimension in ``dims``, to ``digits``
+    significant digits (float64). For kernels that are not dot-product kernels
+    (shift-invariant or general), the counterpart of KN003.
+
+    ``expression(x, y)`` takes two lists of mpf and returns :math:`K(x, y)` as an mpf;
+    it must be written from the paper's formula, independently of the torch code.
+    ``inputs`` optionally replaces the default sampler (as in FM001).
+    """
+
+    rule: ClassVar[str] = "KN004"
+    summary: ClassVar[str] = "torch kernel equals its closed form (mpmath, 30 digits)"
+    expression: Callable[[list[Any], list[Any]], Any] | None = None
+    dims: tuple[int, ...] = (1, 3)
+    points: int = 6
+    norm_range: tuple[float, float] = (0.2, 1.5)
+    digits: int = 11
+    options: Options = field(default_factory=dict)
+    inputs: Callable[..., Any] | None = None
+
+
+@dataclass(frozen=True)
+class SpectralDensityIntegral(Claim):
+    """KN005: a shift-invariant kernel equals the Fourier transform of its declared
+    spectral density (Bochner): in one dimension
+
+    .. math:: g(\\delta) = \\int_{-\\infty}^{\\infty} p(\\omega) \\cos(\\omega\\delta)\\, d\\omega
+              = 2 \\int_0^\\infty p(\\omega) \\cos(\\omega\\delta)\\, d\\omega ,
+
+    with :math:`p` the kernel's ``spectral_density_mp`` (the density the maps sample
+    from) integrated by mpmath at ``dps`` digits, against the torch kernel on 1-D
+    inputs at the offsets ``deltas``, to ``digits`` significant digits.
+    """
+
+    rule: ClassVar[str] = "KN005"
+    summary: ClassVar[str] = "kernel equals the Fourier transform of its spectral density"
+    deltas: tuple[float, ...] = (0.0, 0.6, 1.7)
+    dps: int = 20
+    digits: int = 10
+    options: Options = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PositiveDefinite(Claim):
+    """KN006: the Gram matrix :math:`[K(x_i, x_j)]` on random point sets is symmetric
+    and positive semi-definite: the smallest eigenvalue is above
+    :math:`-10^{-10} \\lambda_{\\max}` (float64), on ``sets`` sets of ``size`` points per
+    dimension in ``dims``, norms in ``norm_range`` (a dot-product kernel of finite
+    radius :math:`R_f` uses norms up to :math:`0.9 \\sqrt{R_f}`).
+    """
+
+    rule: ClassVar[str] = "KN006"
+    summary: ClassVar[str] = "Gram matrices on random point sets are positive semi-definite"
+    dims: tuple[int, ...] = (2, 8)
+    size: int = 24
+    sets: int = 4
+    norm_range: tuple[float, float] = (0.1, 1.0)
+    options: Options = field(default_factory=dict)
+
+
 # --------------------------------------------------------------------------- sampling distributions
 @dataclass(frozen=True)
 class PmfSumsToOne(Claim):
@@ -181,6 +261,14 @@ class PmfSumsToOne(Claim):
     ``pmf(n)`` is a SymPy expression in the integer symbol ``n`` (free parameters,
     such as ``p``, stay symbolic with the declared ``assumptions``); the checker sums
     it over ``n >= start`` (and ``n <= stop`` when given) and simplifies the result.
+
+    The declared ``pmf`` must be written independently of the runtime (its
+    normaliser in closed form, never the symbolic sum that is checked). ``runtime()``
+    returns ``(law, values)``: the object the class really samples from and the
+    numeric values of the free symbols for it. ``law.pmf(n)`` must match the declared
+    pmf at ``values`` to 12 digits for the first 40 support points and, when the law
+    has ``sample(u)`` (inversion of uniforms), the frequencies of ``draws`` samples
+    must pass a chi-square test against the pmf (false-failure rate 1e-6).
     """
 
     rule: ClassVar[str] = "SP001"
@@ -189,13 +277,22 @@ class PmfSumsToOne(Claim):
     start: int = 0
     stop: int | None = None
     label: str = "pmf"
+    runtime: Callable[[], tuple[Any, Mapping[str, float]]] | None = None
+    draws: int = 200_000
 
 
 # --------------------------------------------------------------------------- estimators
 @dataclass(frozen=True)
 class UnbiasedAttention(Claim):
     """AT001: the attention output is an unbiased estimate of exact softmax attention
-    (randomized attention); Monte Carlo z-test in float64 over ``redraws`` draws."""
+    (randomized attention); Monte Carlo z-test in float64 over ``redraws`` draws.
+
+    ``mode`` is the module mode the estimator runs in (``"train"`` or ``"eval"``):
+    unbiasedness is a property of a mode, since an estimator may draw differently in
+    evaluation (``ra`` drops its Gaussian noise there unless ``eval_noise=True``), and
+    a class flagged ``unbiased`` lists the modes where it holds in ``unbiased_modes``
+    (``("train", "eval")`` when absent).
+    """
 
     rule: ClassVar[str] = "AT001"
     summary: ClassVar[str] = "attention output is unbiased for softmax attention"
@@ -204,6 +301,7 @@ class UnbiasedAttention(Claim):
     num_features: int = 1
     redraws: int = 4000
     logit_std: float = 0.5
+    mode: str = "train"
     options: Options = field(default_factory=dict)
 
 
@@ -213,13 +311,16 @@ class ConsistentAttention(Claim):
     ``biased_at_finite_budget``) shrinks as ``num_features`` grows.
 
     Self-normalised estimators are biased at finite budget: the claim says so with
-    ``biased_at_finite_budget=True``, and the checker then also shows that the bias at
-    the smallest budget is detectably non-zero.
+    ``biased_at_finite_budget=True``, and the verdict then also requires the bias at
+    the smallest budget to be detectably non-zero (:math:`|z|` above the threshold);
+    with ``biased_at_finite_budget=False`` it requires the bias *not* to be detected;
+    ``None`` makes no statement on the bias at the smallest budget (reported only: for
+    estimators whose bias is real but below what ``redraws`` draws resolve).
     """
 
     rule: ClassVar[str] = "AT002"
     summary: ClassVar[str] = "attention error and bias shrink as the budget grows"
-    biased_at_finite_budget: bool = True
+    biased_at_finite_budget: bool | None = True
     budgets: tuple[int, ...] = (4, 64)
     dim: int = 8
     seq_len: int = 16

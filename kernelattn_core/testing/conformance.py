@@ -339,6 +339,10 @@ def conformance_cases(*names: str, registry: Registry | None = None, claims: boo
             cases += _normalizer_cases(entry)
         if claims:
             cases += _claim_cases(entry)
+    if not cases:  # never "0 passed": a kit that checks nothing must fail
+        from ..errors import UnknownNameError
+
+        raise UnknownNameError(f"conformance_tests{tuple(names)!r}: no class to check (nothing registered under it)")
     return cases
 
 

@@ -7,14 +7,23 @@
 :func:`run_checks` runs every claim of the selected classes; ``kernelattn verify``
 prints the results. Besides the claims a class lists, its capability data implies
 some: every dot-product kernel is checked for exact, non-negative coefficients and
-for agreement of ``f`` with its SymPy expression (KN001-KN003); a feature map
-flagged ``positive`` gets FM002 and one flagged ``unbiased`` (random, with a target
-kernel) gets FM001, unless it declares them itself with its own settings.
+for agreement of ``f`` with its SymPy expression (KN001-KN003); every kernel for
+positive definiteness on random point sets (KN006), and a shift-invariant kernel
+that declares its spectral density (``spectral_density_mp``) for agreement with the
+density's Fourier integral (KN005); a feature map flagged ``positive`` (and not
+log-space, where positivity holds by construction) gets FM002 and one flagged
+``unbiased`` (random, with a target kernel) gets FM001, unless it declares them
+itself with its own settings.
+
+A name given to :func:`select` that matches nothing, or a plugin that failed to
+load, raises :class:`~kernelattn_core.errors.PluginError` naming the load error:
+``kernelattn verify NAME`` never reports "0 passed" for a plugin that is not there.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -23,18 +32,21 @@ from ..claims import (
     ConsistentAttention,
     ErrorDecay,
     EstimateVariance,
+    KernelClosedForm,
     KernelMatchesExpression,
     MaclaurinCoefficients,
     NonNegativeCoefficients,
     PmfSumsToOne,
+    PositiveDefinite,
     PositiveFeatures,
     QuadratureIdentity,
+    SpectralDensityIntegral,
     SymbolicExpectation,
     UnbiasedAttention,
     UnbiasedKernelEstimate,
 )
-from ..errors import UnknownNameError
-from ..interfaces.kernel import DotProductKernel
+from ..errors import PluginError, UnknownNameError
+from ..interfaces.kernel import DotProductKernel, KernelFamily
 from ..registry import Entry, Registry, get_registry
 from .result import CheckResult
 
@@ -46,21 +58,24 @@ def _kernel(entry: Entry, claim: Any) -> DotProductKernel:
 
 
 def _checkers() -> dict[type, Checker]:
-    from . import precision, statistical, symbolic
+    from . import kernels, precision, statistical, symbolic
 
     return {
+        KernelClosedForm: lambda e, c, lvl, ids: kernels.check_closed_form(_kernel(e, c), c, **ids),
+        SpectralDensityIntegral: lambda e, c, lvl, ids: kernels.check_spectral_integral(_kernel(e, c), c, **ids),
+        PositiveDefinite: lambda e, c, lvl, ids: kernels.check_positive_definite(_kernel(e, c), c, **ids),
         MaclaurinCoefficients: lambda e, c, lvl, ids: symbolic.check_coefficients(_kernel(e, c), c, **ids),
         NonNegativeCoefficients: lambda e, c, lvl, ids: symbolic.check_nonnegative(_kernel(e, c), c, **ids),
         KernelMatchesExpression: lambda e, c, lvl, ids: precision.check_kernel_expression(_kernel(e, c), c, **ids),
         PmfSumsToOne: lambda e, c, lvl, ids: symbolic.check_pmf(c, **ids),
-        SymbolicExpectation: lambda e, c, lvl, ids: symbolic.check_symbolic_expectation(c, **ids),
+        SymbolicExpectation: lambda e, c, lvl, ids: symbolic.check_symbolic_expectation(c, feature_map=e.cls, **ids),
         QuadratureIdentity: lambda e, c, lvl, ids: precision.check_quadrature(c, **ids),
         UnbiasedKernelEstimate: lambda e, c, lvl, ids: statistical.check_unbiased(e.cls, c, lvl, **ids),
         PositiveFeatures: lambda e, c, lvl, ids: statistical.check_positive(e.cls, c, lvl, **ids),
         EstimateVariance: lambda e, c, lvl, ids: statistical.check_variance(e.cls, c, lvl, **ids),
         ErrorDecay: lambda e, c, lvl, ids: statistical.check_error_decay(e.cls, c, lvl, **ids),
-        UnbiasedAttention: lambda e, c, lvl, ids: statistical.check_unbiased_attention(e.name, c, lvl, **ids),
-        ConsistentAttention: lambda e, c, lvl, ids: statistical.check_consistent_attention(e.name, c, lvl, **ids),
+        UnbiasedAttention: lambda e, c, lvl, ids: statistical.check_unbiased_attention(e, c, lvl, **ids),
+        ConsistentAttention: lambda e, c, lvl, ids: statistical.check_consistent_attention(e, c, lvl, **ids),
     }
 
 
@@ -73,22 +88,68 @@ def claims_of(entry: Entry) -> list[Claim]:
         for implied in (MaclaurinCoefficients, NonNegativeCoefficients, KernelMatchesExpression):
             if implied not in declared:
                 claims.append(implied())
+    if entry.kind == "kernel":
+        if (
+            cls.family == KernelFamily.SHIFT_INVARIANT
+            and hasattr(cls, "spectral_density_mp")
+            and SpectralDensityIntegral not in declared
+        ):
+            claims.append(SpectralDensityIntegral())
+        if PositiveDefinite not in declared and not getattr(cls, "indefinite", False):
+            claims.append(PositiveDefinite())
+    if entry.kind == "estimator" and getattr(cls, "unbiased", False):
+        # unbiasedness is per mode: a flagged class is checked in every mode it claims it for
+        modes = tuple(getattr(cls, "unbiased_modes", ("train", "eval")))
+        declared_modes = {c.mode for c in claims if isinstance(c, UnbiasedAttention) and c.expect == "pass"}
+        base = next((c for c in claims if isinstance(c, UnbiasedAttention) and c.expect == "pass"), None)
+        if base is not None:
+            for mode in modes:
+                if mode not in declared_modes:
+                    claims.append(dataclasses.replace(base, mode=mode))
     if entry.kind == "feature_map":
-        if cls.positive and PositiveFeatures not in declared:
+        if cls.positive and not cls.log_space and PositiveFeatures not in declared:
             claims.append(PositiveFeatures())
         if cls.unbiased and cls.random and cls.kernel is not None and UnbiasedKernelEstimate not in declared:
             claims.append(UnbiasedKernelEstimate())
     return claims
 
 
+def load_errors(registry: Registry, names: Sequence[str] = ()) -> list[str]:
+    """``"plugin: error"`` lines for the plugins (all, or those named) that failed to load."""
+    wanted = set(names)
+    return [
+        f"{p.name}: {err}"
+        for p in registry.plugins()
+        if p.errors and (not wanted or p.name in wanted)
+        for err in p.errors
+    ]
+
+
 def select(names: Sequence[str], registry: Registry) -> list[Entry]:
-    """Entries for plugin names and/or registered class names (all when empty)."""
+    """Entries for plugin names and/or registered class names (all when empty).
+
+    Raises
+    ------
+    PluginError
+        When a plugin to check failed to load (import error, bad hook): checking
+        the rest would report success on a plugin that is not there.
+    UnknownNameError
+        When a name is neither a plugin nor a registered class, or a plugin
+        registered nothing.
+    """
+    errors = load_errors(registry, names)
+    if errors:
+        raise PluginError(
+            "verify: plugins failed to load, so their claims cannot be checked:\n  " + "\n  ".join(errors)
+        )
     if not names:
         return registry.entries()
     plugins = {p.name: p for p in registry.plugins()}
     chosen: list[Entry] = []
     for name in names:
         if name in plugins:
+            if not plugins[name].entries:
+                raise UnknownNameError(f"verify: plugin {name!r} loaded but registered no class; nothing to check")
             chosen.extend(plugins[name].entries)
             continue
         try:

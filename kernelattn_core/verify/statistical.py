@@ -3,6 +3,17 @@
 Every z-test uses a threshold from :func:`~kernelattn_core.verify.result.z_threshold`,
 so that all the tests of one check together fail by chance with probability below
 1e-6 (Bonferroni). Seeds are fixed, so a run is reproducible bit for bit.
+
+**Sensitivity.** Each Monte Carlo check reports ``min_detectable_rel_bias``: the
+smallest relative error (a bias of the mean, or of the variance for FM003) that the
+check detects with probability 0.95 at the level run,
+:math:`(z_{\\text{thr}} + z_{0.95})\\,\\mathrm{se}/|\\text{target}|` on the most
+sensitive pair. A defect smaller than that passes; run ``--level full`` (more draws,
+and, for FM001 and FM002, head dimension 128 besides the declared ones) to look closer.
+
+**Shapes first.** FM001 and FM003 check that :meth:`query` and :meth:`key` return
+``[pairs, feature_dim]`` before any statistics, so a wrong shape is reported as a
+shape error, not as a variance or bias failure.
 """
 
 from __future__ import annotations
@@ -25,6 +36,10 @@ from ..interfaces.feature_map import FeatureMap
 from .result import CheckResult, verdict, z_threshold
 
 SEED = 20_261_121
+#: one-sided z for 95% power in the sensitivity figures
+Z_POWER = 1.6448536269514722
+#: head dimension ``--level full`` adds to every FM001-FM003 claim (defects that appear only for large d)
+FULL_LEVEL_DIM = 128
 
 
 def _scaled(level: str, full: int, quick_floor: int = 200) -> int:
@@ -33,8 +48,43 @@ def _scaled(level: str, full: int, quick_floor: int = 200) -> int:
     return full if level == "full" else max(min(full, quick_floor), full // 2)
 
 
-def _dims(level: str, dims: tuple[int, ...]) -> tuple[int, ...]:
-    return dims if level == "full" else dims[:1]
+def _dims(level: str, dims: tuple[int, ...], extra: tuple[int, ...] = (), large: bool = True) -> tuple[int, ...]:
+    """Head dimensions at ``level``: the first declared at quick; at full every declared
+    one, those the class declares in ``verify_dims``, and (``large``) :data:`FULL_LEVEL_DIM`.
+    FM003 (tens of thousands of draws) keeps its declared dimensions to bound the time."""
+    if level != "full":
+        return dims[:1]
+    return tuple(sorted(set(dims) | set(extra) | ({FULL_LEVEL_DIM} if large else set())))
+
+
+def _class_dims(cls: Any) -> tuple[int, ...]:
+    return tuple(getattr(cls, "verify_dims", ()) or ())
+
+
+class ShapeError(Exception):
+    """A feature map returned features of the wrong shape (reported before any statistics)."""
+
+
+def check_shapes(fm: FeatureMap, x: torch.Tensor) -> None:
+    """Raise :class:`ShapeError` unless ``query(x)`` and ``key(x)`` are ``[*x.shape[:-1], feature_dim]``."""
+    with torch.no_grad():
+        for side, out in (("query", fm.query(x)), ("key", fm.key(x))):
+            expected = (*x.shape[:-1], fm.feature_dim)
+            if tuple(out.shape) != expected:
+                raise ShapeError(
+                    f"{side}(x) returned shape {tuple(out.shape)} for x {tuple(x.shape)}; expected {expected} "
+                    f"([..., feature_dim]); statistics skipped"
+                )
+
+
+def _shape_failure(rule: str, exc: ShapeError, **ids: str) -> CheckResult:
+    return CheckResult(rule, claim="feature shapes (checked first)", numbers={"shape_error": str(exc)}, **ids)
+
+
+def _sensitivity(threshold: float, se: torch.Tensor, target: torch.Tensor) -> float:
+    """Smallest relative error detected with probability 0.95 on the most sensitive element."""
+    rel = (threshold + Z_POWER) * se / target.abs().clamp_min(1e-300)
+    return float(f"{float(rel.min()):.3g}")
 
 
 def make_map(cls: type[FeatureMap], d: int, num_features: int, options: Any) -> FeatureMap:
@@ -77,26 +127,38 @@ def exact_pairs(fm: FeatureMap, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
 
 def check_unbiased(cls: type[FeatureMap], claim: UnbiasedKernelEstimate, level: str, **ids: str) -> CheckResult:
     """FM001: per-pair z-scores of the Monte Carlo mean against the exact kernel."""
-    dims = _dims(level, claim.dims)
+    dims = _dims(level, claim.dims, _class_dims(cls))
     redraws = _scaled(level, claim.redraws)
     threshold = z_threshold(len(dims) * claim.pairs)
     worst_z, worst_rel, ok = 0.0, 0.0, True
+    sensitivity = math.inf
     per_dim: dict[str, Any] = {}
     for d in dims:
         fm = make_map(cls, d, claim.num_features, claim.options)
         x, y = sample_points(d, claim.pairs, claim.norm_range, SEED + d, claim.inputs)
-        est = pair_estimates(fm, x, y, redraws, SEED + 1000 * d)
+        try:
+            check_shapes(fm, x)
+        except ShapeError as exc:
+            return _shape_failure(UnbiasedKernelEstimate.rule, exc, **ids)
+        # the added large dimension runs a quarter of the draws (it looks for defects that
+        # appear only at large d, not for small biases); its sensitivity is reported with the rest
+        r_d = redraws if d in claim.dims or d != FULL_LEVEL_DIM else max(redraws // 4, 100)
+        est = pair_estimates(fm, x, y, r_d, SEED + 1000 * d)
         target = exact_pairs(fm, x, y)
-        mean, se = est.mean(0), est.std(0) / math.sqrt(redraws)
+        mean, se = est.mean(0), est.std(0) / math.sqrt(r_d)
         z = ((mean - target) / se.clamp_min(1e-300)).abs()
         rel = ((mean - target).abs() / target.abs().clamp_min(1e-300)).max()
         per_dim[f"max_z_d{d}"] = round(float(z.max()), 3)
+        if r_d != redraws:
+            per_dim[f"redraws_d{d}"] = r_d
+        sensitivity = min(sensitivity, _sensitivity(threshold, se, target))
         worst_z, worst_rel = max(worst_z, float(z.max())), max(worst_rel, float(rel))
         ok &= bool(torch.isfinite(est).all()) and float(z.max()) < threshold
     numbers = {
         "max_abs_z": round(worst_z, 3),
         "z_threshold": round(threshold, 3),
         "max_rel_bias": float(f"{worst_rel:.3g}"),
+        "min_detectable_rel_bias": sensitivity,
         "redraws": redraws,
         "num_features": claim.num_features,
         "pairs": claim.pairs,
@@ -112,11 +174,20 @@ def check_unbiased(cls: type[FeatureMap], claim: UnbiasedKernelEstimate, level: 
 
 
 def check_positive(cls: type[FeatureMap], claim: PositiveFeatures, level: str, **ids: str) -> CheckResult:
-    """FM002: every feature :math:`> 0` over many draws and inputs up to ``max_norm``
-    (for log-space maps: every log-feature finite)."""
+    """FM002: every feature of :meth:`query` and :meth:`key` (what attention uses) is
+    finite and :math:`> 0`, over many draws and inputs up to ``max_norm``.
+
+    Log-space maps are refused: their features are exp(.) by
+    construction, so the claim could not fail (their ``positive`` flag rests on
+    ``log_space``)."""
+    if getattr(cls, "log_space", False):
+        raise TypeError(
+            f"{cls.__name__} is a log-space map: its features are exp(.) by construction, so FM002 cannot fail; "
+            "do not declare PositiveFeatures for it"
+        )
     redraws = _scaled(level, claim.redraws, quick_floor=10)
     worst, count, bad = math.inf, 0, 0
-    for d in _dims(level, claim.dims):
+    for d in _dims(level, claim.dims, _class_dims(cls)):
         fm = make_map(cls, d, 64, claim.options)
         g = torch.Generator().manual_seed(SEED + d)
         x = torch.randn(256, d, generator=g, dtype=torch.float64)
@@ -124,18 +195,16 @@ def check_positive(cls: type[FeatureMap], claim: PositiveFeatures, level: str, *
         with torch.no_grad():
             for r in range(redraws):
                 fm.redraw(generator=torch.Generator().manual_seed(SEED + r))
-                for feats in (fm.raw_features(x, query=True), fm.raw_features(x, query=False)):
-                    if fm.log_space:
-                        bad += int((~torch.isfinite(feats)).sum())
-                        feats = feats.exp()
-                    worst = min(worst, float(feats.min()))
-                    bad += int((feats <= 0).sum()) if not fm.log_space else 0
+                for feats in (fm.query(x), fm.key(x)):
+                    ok_mask = torch.isfinite(feats) & (feats > 0)
+                    bad += int((~ok_mask).sum())
+                    worst = min(worst, float(feats.nan_to_num(nan=-math.inf).min()))
                     count += feats.numel()
     return CheckResult(
         PositiveFeatures.rule,
-        claim=f"every feature > 0 for |x| <= {claim.max_norm}",
-        numbers={"features_checked": count, "non_positive": bad, "min_feature": float(f"{worst:.3g}")},
-        verdict=verdict(bad == 0 and worst > 0 if not getattr(cls, "log_space", False) else bad == 0),
+        claim=f"every feature of query(x), key(x) is finite and > 0 for |x| <= {claim.max_norm}",
+        numbers={"features_checked": count, "non_positive_or_nonfinite": bad, "min_feature": float(f"{worst:.3g}")},
+        verdict=verdict(bad == 0 and worst > 0),
         **ids,
     )
 
@@ -148,14 +217,19 @@ def check_variance(cls: type[FeatureMap], claim: EstimateVariance, level: str, *
     """
     if claim.variance is None:
         raise ValueError("EstimateVariance.variance is not set")
-    dims = _dims(level, claim.dims)
+    dims = _dims(level, claim.dims, _class_dims(cls), large=False)
     redraws = _scaled(level, claim.redraws, quick_floor=4000)
     threshold = z_threshold(len(dims) * claim.pairs)
     worst_z, worst_ratio = 0.0, 1.0
+    sensitivity = math.inf
     ok = True
     for d in dims:
         fm = make_map(cls, d, claim.num_features, claim.options)
         x, y = sample_points(d, claim.pairs, claim.norm_range, SEED + 7 * d, claim.inputs)
+        try:
+            check_shapes(fm, x)
+        except ShapeError as exc:
+            return _shape_failure(EstimateVariance.rule, exc, **ids)
         est = pair_estimates(fm, x, y, redraws, SEED + 3000 * d)
         with torch.no_grad():
             declared = torch.as_tensor(claim.variance(x, y, fm), dtype=torch.float64).reshape(-1)
@@ -166,6 +240,7 @@ def check_variance(cls: type[FeatureMap], claim: EstimateVariance, level: str, *
         z = ((sample_var - declared) / se.clamp_min(1e-300)).abs()
         ratio = (sample_var / declared.clamp_min(1e-300)).tolist()
         worst_z = max(worst_z, float(z.max()))
+        sensitivity = min(sensitivity, _sensitivity(threshold, se, declared))
         worst_ratio = max(ratio, key=lambda r: abs(math.log(r)) if r > 0 else math.inf)
         ok &= float(z.max()) < threshold
     return CheckResult(
@@ -175,6 +250,7 @@ def check_variance(cls: type[FeatureMap], claim: EstimateVariance, level: str, *
             "max_abs_z": round(worst_z, 3),
             "z_threshold": round(threshold, 3),
             "worst_sample_over_declared": float(f"{worst_ratio:.4g}"),
+            "min_detectable_rel_error": sensitivity,
             "redraws": redraws,
         },
         verdict=verdict(ok),
@@ -219,39 +295,70 @@ def _attention_inputs(
     return q * math.sqrt(logit_std), k * math.sqrt(logit_std), v
 
 
-def attention_draws(
-    name: str, budget: int, options: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, redraws: int, seed: int
-) -> torch.Tensor:
-    """``[redraws, N, dv]`` outputs of independently seeded estimators (train mode)."""
+def _factory(entry: Any) -> Any:
+    """``(budget, options) -> estimator`` for a registry entry: :func:`create` by name when
+    the registry holds this very class, else the class itself (a mutant in the tests)."""
     from ..api import create
+    from ..registry import get_registry
 
+    name = entry if isinstance(entry, str) else entry.name
+    try:
+        registered = get_registry().get(name).cls
+    except Exception:
+        registered = None
+    if isinstance(entry, str) or registered is entry.cls:
+        return lambda budget, options: create(name, num_features=budget, **dict(options))
+    return lambda budget, options: entry.cls(num_features=budget, **dict(options))
+
+
+def attention_draws(
+    entry: Any,
+    budget: int,
+    options: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    redraws: int,
+    seed: int,
+    mode: str = "train",
+) -> torch.Tensor:
+    """``[redraws, N, dv]`` outputs of independently seeded estimators in ``mode``
+    (``"train"`` or ``"eval"``); ``entry`` is a registry entry or name."""
+    if mode not in ("train", "eval"):
+        raise ValueError(f"mode: expected 'train' or 'eval', got {mode!r}")
+    make = _factory(entry)
     outs = []
     with torch.no_grad():
         for r in range(redraws):
             torch.manual_seed(seed + r)
-            est = create(name, num_features=budget, **dict(options)).double().train()
+            est = make(budget, options).double().train(mode == "train")
             outs.append(est(q, k, v)[0, 0])
     return torch.stack(outs)
 
 
-def check_unbiased_attention(name: str, claim: UnbiasedAttention, level: str, **ids: str) -> CheckResult:
+def check_unbiased_attention(name: Any, claim: UnbiasedAttention, level: str, **ids: str) -> CheckResult:
     """AT001: element-wise z-scores of the mean output against exact softmax attention."""
     from ..api import create
 
     redraws = _scaled(level, claim.redraws)
     q, k, v = _attention_inputs(claim.dim, claim.seq_len, claim.logit_std, SEED)
     exact = create("softmax")(q, k, v)[0, 0]
-    outs = attention_draws(name, claim.num_features, claim.options, q, k, v, redraws, SEED)
+    outs = attention_draws(name, claim.num_features, claim.options, q, k, v, redraws, SEED, claim.mode)
     mean, se = outs.mean(0), outs.std(0) / math.sqrt(redraws)
     z = ((mean - exact) / se.clamp_min(1e-300)).abs()
     threshold = z_threshold(exact.numel())
+    sensitivity = _sensitivity(threshold, se, exact)
     return CheckResult(
         UnbiasedAttention.rule,
-        claim=f"E[output] == softmax attention (d={claim.dim}, N={claim.seq_len}, budget {claim.num_features})",
+        claim=(
+            f"E[output] == softmax attention (d={claim.dim}, N={claim.seq_len}, budget {claim.num_features}, "
+            f"{claim.mode} mode)"
+        ),
         numbers={
             "max_abs_z": round(float(z.max()), 3),
             "z_threshold": round(threshold, 3),
             "max_abs_bias": float(f"{float((mean - exact).abs().max()):.3g}"),
+            "min_detectable_rel_bias": sensitivity,
             "redraws": redraws,
         },
         verdict=verdict(float(z.max()) < threshold),
@@ -259,7 +366,7 @@ def check_unbiased_attention(name: str, claim: UnbiasedAttention, level: str, **
     )
 
 
-def check_consistent_attention(name: str, claim: ConsistentAttention, level: str, **ids: str) -> CheckResult:
+def check_consistent_attention(name: Any, claim: ConsistentAttention, level: str, **ids: str) -> CheckResult:
     """AT002: mean squared error and squared bias fall as the budget grows; the bias
     at the smallest budget is reported with its z-score (self-normalised estimators
     are biased at finite budget)."""
@@ -268,30 +375,51 @@ def check_consistent_attention(name: str, claim: ConsistentAttention, level: str
     redraws = _scaled(level, claim.redraws, quick_floor=200)
     q, k, v = _attention_inputs(claim.dim, claim.seq_len, claim.logit_std, SEED + 1)
     exact = create("softmax")(q, k, v)[0, 0]
-    mse, bias2, bias_z = [], [], []
+    mse, bias2, bias_z, bias_rms, se_rms = [], [], [], [], []
     for budget in claim.budgets:
         outs = attention_draws(name, budget, claim.options, q, k, v, redraws, SEED + 97 * budget)
         mean = outs.mean(0)
         mse.append(float(((outs - exact) ** 2).mean()))
         # unbiased estimate of the squared bias: |mean - exact|^2 minus the variance of the mean
         bias2.append(float(((mean - exact) ** 2 - outs.var(0) / redraws).mean()))
+        bias_rms.append(float(((mean - exact) ** 2).mean().sqrt()))
+        se_rms.append(float((outs.var(0) / redraws).mean().sqrt()))
         bias_z.append(float(((mean - exact) / (outs.std(0) / math.sqrt(redraws)).clamp_min(1e-300)).abs().max()))
     threshold = z_threshold(exact.numel())
     shrinks = all(b < a for a, b in itertools.pairwise(mse))
     bias_shrinks = all(b < max(a, 0) + 1e-30 for a, b in itertools.pairwise(bias2))
-    ok = shrinks and bias_shrinks and mse[-1] < 0.5 * mse[0]
+    bias_detected = bias_z[0] > threshold
+    # consistency: the bias at the largest budget is at most half the bias at the smallest,
+    # up to its Monte Carlo error (a constant bias fails here even when the variance dominates)
+    bias_falls = bias_rms[-1] <= 0.5 * bias_rms[0] + threshold * se_rms[-1]
+    ok = (
+        shrinks
+        and bias_shrinks
+        and bias_falls
+        and mse[-1] < 0.5 * mse[0]
+        and (claim.biased_at_finite_budget is None or bias_detected == claim.biased_at_finite_budget)
+    )
     return CheckResult(
         ConsistentAttention.rule,
         claim=(
             f"error and bias shrink as num_features grows over {list(claim.budgets)}"
-            + ("; biased at finite budget (self-normalised)" if claim.biased_at_finite_budget else "")
+            + (
+                "; bias at the smallest budget detected (biased at finite budget)"
+                if claim.biased_at_finite_budget
+                else "; no bias detected at the smallest budget"
+                if claim.biased_at_finite_budget is False
+                else "; bias at the smallest budget reported, not claimed"
+            )
         ),
         numbers={
             **{f"mse_D{b}": float(f"{e:.3g}") for b, e in zip(claim.budgets, mse)},
             **{f"bias2_D{b}": float(f"{e:.3g}") for b, e in zip(claim.budgets, bias2)},
+            "bias_rms_smallest_budget": float(f"{bias_rms[0]:.3g}"),
+            "bias_rms_largest_budget": float(f"{bias_rms[-1]:.3g}"),
+            "bias_rms_allowed_largest": float(f"{0.5 * bias_rms[0] + threshold * se_rms[-1]:.3g}"),
             "bias_max_z_smallest_budget": round(bias_z[0], 2),
             "z_threshold": round(threshold, 3),
-            "bias_detected_smallest_budget": bias_z[0] > threshold,
+            "bias_detected_smallest_budget": bias_detected,
             "redraws": redraws,
         },
         verdict=verdict(ok),

@@ -122,3 +122,41 @@ def trig_softmax_variance(x: torch.Tensor, y: torch.Tensor, feature_map: Any) ->
     k = torch.exp(-0.5 * ((x - y) ** 2).sum(-1))  # [pairs]
     scale = torch.exp((x * x).sum(-1) + (y * y).sum(-1))
     return scale * 0.5 * (1 - k**2) ** 2 / feature_map.num_features
+
+
+# --------------------------------------------------------------------------- KN004 closed forms
+def gaussian_closed_form(x: list[Any], y: list[Any]) -> Any:
+    """KN004: :math:`\\exp(-\\|x - y\\|^2 / 2)` (lengthscale 1), from Rahimi & Recht (2007)."""
+    import mpmath as mp
+
+    return mp.exp(-sum((a - b) ** 2 for a, b in zip(x, y)) / 2)
+
+
+def gaussian_closed_form_l07(x: list[Any], y: list[Any]) -> Any:
+    """KN004: :math:`\\exp(-\\|x - y\\|^2 / (2 \\cdot 0.7^2))`."""
+    import mpmath as mp
+
+    return mp.exp(-sum((a - b) ** 2 for a, b in zip(x, y)) / (2 * mp.mpf("0.7") ** 2))
+
+
+def laplacian_closed_form(x: list[Any], y: list[Any]) -> Any:
+    """KN004: :math:`\\exp(-\\|x - y\\|_1)` (lengthscale 1), the product Laplacian."""
+    import mpmath as mp
+
+    return mp.exp(-sum(abs(a - b) for a, b in zip(x, y)))
+
+
+def matern32_closed_form(x: list[Any], y: list[Any]) -> Any:
+    """KN004: Matérn 3/2, :math:`(1 + \\sqrt3 r) e^{-\\sqrt3 r}` (lengthscale 1)."""
+    import mpmath as mp
+
+    r = mp.sqrt(sum((a - b) ** 2 for a, b in zip(x, y)))
+    return (1 + mp.sqrt(3) * r) * mp.exp(-mp.sqrt(3) * r)
+
+
+def matern52_closed_form(x: list[Any], y: list[Any]) -> Any:
+    """KN004: Matérn 5/2, :math:`(1 + \\sqrt5 r + 5r^2/3) e^{-\\sqrt5 r}` (lengthscale 1)."""
+    import mpmath as mp
+
+    r = mp.sqrt(sum((a - b) ** 2 for a, b in zip(x, y)))
+    return (1 + mp.sqrt(5) * r + 5 * r * r / 3) * mp.exp(-mp.sqrt(5) * r)

@@ -18,6 +18,7 @@ from kernelattn_core import FeatureMap, InputError
 from kernelattn_core.claims.types import (
     ErrorDecay,
     EstimateVariance,
+    PositiveFeatures,
     SymbolicExpectation,
     UnbiasedKernelEstimate,
 )
@@ -156,6 +157,7 @@ class RandomFourierFeatures(_TrigBase):
     learnable: ClassVar[bool] = False
     default_num_features: ClassVar[int] = 256
     claims: ClassVar[tuple[Any, ...]] = (
+        PositiveFeatures(expect="fail"),  # negative control: cos/sin features are signed
         UnbiasedKernelEstimate(dims=(16, 64), norm_range=(0.2, 2.0), num_features=16),
         UnbiasedKernelEstimate(dims=(16,), norm_range=(0.2, 2.0), num_features=16, options={"orthogonal": True}),
         UnbiasedKernelEstimate(dims=(16,), norm_range=(0.2, 2.0), num_features=16, options={"variant": "offset"}),

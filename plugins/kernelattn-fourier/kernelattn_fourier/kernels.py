@@ -40,7 +40,9 @@ from typing import Any, ClassVar
 import torch
 
 from kernelattn_core import InputError, ShiftInvariantKernel
-from kernelattn_core.claims.types import QuadratureIdentity
+from kernelattn_core.claims.types import KernelClosedForm, QuadratureIdentity, SpectralDensityIntegral
+
+from . import claims as _claims
 
 #: ``draw(kind, shape)`` returns samples of ``kind`` in ``("normal", "uniform")``;
 #: feature maps pass a closure over :meth:`FeatureMap._draw` so that every random draw
@@ -444,18 +446,33 @@ def hp_matern52_2d(dps: int) -> tuple[Any, Any, str]:
     return _hp_matern(5, 2, dps)
 
 
+GaussianKernel.claims = (
+    KernelClosedForm(expression=_claims.gaussian_closed_form),
+    KernelClosedForm(expression=_claims.gaussian_closed_form_l07, options={"lengthscale": 0.7}),
+    # negative control: the lengthscale-1 formula against the lengthscale-0.7 kernel
+    KernelClosedForm(expression=_claims.gaussian_closed_form, options={"lengthscale": 0.7}, expect="fail"),
+    SpectralDensityIntegral(options={"lengthscale": 0.7}),
+)
 LaplacianKernel.claims = (
+    KernelClosedForm(expression=_claims.laplacian_closed_form),
+    SpectralDensityIntegral(),
     QuadratureIdentity(evaluate=hp_laplacian_1d, label="laplacian spectral density, d=1"),
     QuadratureIdentity(evaluate=hp_laplacian_2d, label="laplacian spectral density, d=2", dps=32, digits=25),
 )
-MaternKernel.claims = tuple(
-    QuadratureIdentity(evaluate=fn, label=f"matern nu={nu} spectral density, d={d}")
-    for fn, nu, d in (
-        (hp_matern12_1d, "1/2", 1),
-        (hp_matern12_2d, "1/2", 2),
-        (hp_matern32_1d, "3/2", 1),
-        (hp_matern32_2d, "3/2", 2),
-        (hp_matern52_1d, "5/2", 1),
-        (hp_matern52_2d, "5/2", 2),
-    )
+MaternKernel.claims = (
+    KernelClosedForm(expression=_claims.matern32_closed_form, options={"nu": 1.5}),
+    KernelClosedForm(expression=_claims.matern52_closed_form, options={"nu": 2.5}),
+    SpectralDensityIntegral(options={"nu": 1.5}),
+    SpectralDensityIntegral(options={"nu": 2.5}),
+    *(
+        QuadratureIdentity(evaluate=fn, label=f"matern nu={nu} spectral density, d={d}")
+        for fn, nu, d in (
+            (hp_matern12_1d, "1/2", 1),
+            (hp_matern12_2d, "1/2", 2),
+            (hp_matern32_1d, "3/2", 1),
+            (hp_matern32_2d, "3/2", 2),
+            (hp_matern52_1d, "5/2", 1),
+            (hp_matern52_2d, "5/2", 2),
+        )
+    ),
 )

@@ -71,9 +71,9 @@ class RMFA(FeatureMapAttention):
     linear: ClassVar[bool] = True
     claims: ClassVar[tuple[Any, ...]] = (
         ConsistentAttention(
-            biased_at_finite_budget=True, budgets=(16, 256), options={"kernel": "exp", "mode": "released"}
+            biased_at_finite_budget=None, budgets=(16, 256), options={"kernel": "exp", "mode": "released"}
         ),
-        ConsistentAttention(biased_at_finite_budget=True, budgets=(64, 512), options={"kernel": "exp"}),
+        ConsistentAttention(biased_at_finite_budget=None, budgets=(64, 512), options={"kernel": "exp"}),
     )
     default_normalizer: ClassVar[str] = "row"
 

@@ -26,6 +26,7 @@ from kernelattn_core.claims import (
 )
 from kernelattn_core.errors import DomainError, InputError
 
+from . import claims as _claims
 from .kernels import MaclaurinKernel, resolve_kernel
 from .sampling import DegreeDistribution
 from .variance import max_pair_values, rmf_variance, warn_infinite_variance
@@ -258,9 +259,34 @@ class RandomMaclaurinFeatures(FeatureMap):
         EstimateVariance(variance=variance_for_claim, dims=(8,), options={"kernel": "inv"}, inputs=_small_inputs),
         EstimateVariance(variance=variance_for_claim, dims=(8,), options={"kernel": "exp", "mode": "released"}),
         ErrorDecay(slope=-1.0, tolerance=0.25, options={"kernel": "exp"}),
-        SymbolicExpectation(derive=derive_expectation),
-        PmfSumsToOne(pmf=_pmf_paper, start=0, label="degree law (p-1)/p^(n+1), p = 1 + q symbolic"),
-        PmfSumsToOne(pmf=_pmf_released, start=1, stop=RELEASED_MAX_DEGREE, label="released law on {1..20}"),
+        SymbolicExpectation(derive=_claims.derive_runtime_expectation, options={"kernel": "exp", "p": 3.0}),
+        SymbolicExpectation(derive=_claims.derive_runtime_expectation, options={"kernel": "inv"}),
+        PmfSumsToOne(
+            pmf=_claims.pmf_paper_closed_form,
+            start=0,
+            label="degree law (p-1)/p^(n+1), p = 1 + q symbolic",
+            runtime=_claims.runtime_law("paper", 3.0),
+        ),
+        PmfSumsToOne(
+            pmf=_claims.pmf_truncated_closed_form(1, RELEASED_MAX_DEGREE),
+            start=1,
+            stop=RELEASED_MAX_DEGREE,
+            label="released law on {1..20}",
+            runtime=_claims.runtime_law("released", 2.0),
+        ),
+        # negative controls (expect="fail"): each checker seen rejecting a false claim
+        UnbiasedKernelEstimate(dims=(8,), num_features=16, options={"kernel": "exp", "max_degree": 1}, expect="fail"),
+        EstimateVariance(
+            variance=_claims.variance_paper_form,
+            dims=(8,),
+            options={"kernel": "exp", "mode": "released"},
+            expect="fail",
+        ),
+        ErrorDecay(options={"kernel": "exp", "max_degree": 1}, norm_range=(1.5, 2.0), expect="fail"),
+        SymbolicExpectation(
+            derive=_claims.derive_runtime_expectation, options={"kernel": "exp", "max_degree": 12}, expect="fail"
+        ),
+        PmfSumsToOne(pmf=_claims.pmf_as_printed, label="the papers' printed 1/p^(n+1)", expect="fail"),
     )
 
     def __init__(

@@ -17,7 +17,6 @@ from kernelattn_core import FeatureMap, InputError
 from kernelattn_core.claims import (
     ErrorDecay,
     EstimateVariance,
-    PositiveFeatures,
     SymbolicExpectation,
     UnbiasedKernelEstimate,
 )
@@ -111,7 +110,6 @@ class PositiveRandomFeatures(FeatureMap):
     claims: ClassVar[tuple[Any, ...]] = (
         UnbiasedKernelEstimate(dims=(16, 64)),
         UnbiasedKernelEstimate(dims=(16, 64), options={"orthogonal": True}),
-        PositiveFeatures(),
         EstimateVariance(variance=estimate_variance),
         ErrorDecay(),
         SymbolicExpectation(derive=derive_prf_1d),
@@ -212,7 +210,6 @@ class HyperbolicPositiveRandomFeatures(PositiveRandomFeatures):
     claims: ClassVar[tuple[Any, ...]] = (
         UnbiasedKernelEstimate(dims=(16, 64)),
         UnbiasedKernelEstimate(dims=(16, 64), options={"orthogonal": True}),
-        PositiveFeatures(),
         EstimateVariance(variance=estimate_variance),
         ErrorDecay(),
         SymbolicExpectation(derive=derive_prf_hyperbolic_1d),
@@ -302,7 +299,6 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
     claims: ClassVar[tuple[Any, ...]] = (
         UnbiasedKernelEstimate(dims=(16, 64), options={"rule": "fixed", "matrix": 1.25}),
         UnbiasedKernelEstimate(dims=(16, 64)),
-        PositiveFeatures(),
         EstimateVariance(variance=estimate_variance, options={"rule": "fixed", "matrix": 1.25}),
         SymbolicExpectation(derive=derive_cexp_1d),
     )
@@ -575,7 +571,6 @@ class HyperbolicComplexExponentialFeatures(ComplexExponentialFeatures):
     claims: ClassVar[tuple[Any, ...]] = (
         UnbiasedKernelEstimate(dims=(16, 64), options={"rule": "fixed", "matrix": 1.25}),
         UnbiasedKernelEstimate(dims=(16, 64)),
-        PositiveFeatures(),
         EstimateVariance(variance=estimate_variance, options={"rule": "fixed", "matrix": 1.25}),
         SymbolicExpectation(derive=derive_hcexp_1d),
     )

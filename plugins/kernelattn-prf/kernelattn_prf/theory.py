@@ -195,3 +195,91 @@ def derive_lemma31_1d(two_sided: bool) -> tuple[Any, Any]:
     t = z**2
     lemma = sp.exp(t) * sm2 * (1 - sp.exp(-t)) ** 2 / 2 if two_sided else sp.exp(t) * sm2 * (1 - sp.exp(-t))
     return variance, lemma
+
+
+# --------------------------------------------------------------------------- Theorem 3.3
+def chi2_quantile(q: float, dof: int) -> float:
+    """Chi-square quantile :math:`\\chi^2_{d}(q)` (inverse of the regularised lower
+    incomplete gamma, solved with mpmath at 30 digits; no SciPy needed).
+
+    Examples
+    --------
+    >>> round(chi2_quantile(0.99736945, 6), 4)
+    20.1254
+    """
+    import mpmath as mp
+
+    if not (0.0 < q < 1.0):
+        from kernelattn_core.errors import InputError
+
+        raise InputError(f"q: expected a probability in (0, 1), got {q!r}")
+    with mp.workdps(30):
+        k = mp.mpf(dof) / 2
+        target = mp.mpf(q)
+        h = 2.0 / (9.0 * dof)  # Wilson-Hilferty start
+        z = float(mp.sqrt(2) * mp.erfinv(2 * target - 1))
+        start = max(dof * (1 - h + z * math.sqrt(h)) ** 3, 1e-6)
+        x = mp.findroot(lambda t: mp.gammainc(k, 0, t / 2, regularized=True) - target, mp.mpf(start))
+    return float(x)
+
+
+def f_quantile(q: float, d1: int, d2: int) -> float:
+    """Quantile of Fisher's :math:`F_{d_1, d_2}` (inverse regularised incomplete beta, mpmath)."""
+    import mpmath as mp
+
+    with mp.workdps(30):
+        a, b = mp.mpf(d1) / 2, mp.mpf(d2) / 2
+        beta = mp.findroot(
+            lambda u: mp.betainc(a, b, 0, u, regularized=True) - q,
+            (mp.mpf("1e-12"), 1 - mp.mpf("1e-12")),
+            solver="anderson",
+        )
+        return float(beta * d2 / (d1 * (1 - beta)))
+
+
+def theorem33_radius(
+    a: torch.Tensor,
+    mu_x: torch.Tensor,
+    sigma_x: torch.Tensor,
+    mu_y: torch.Tensor,
+    sigma_y: torch.Tensor,
+    p: float,
+    s: int,
+) -> float:
+    """The radius :math:`r` of Theorem 3.3 (CEXP paper; spec 004 §2.4).
+
+    .. math::
+        r = \\max\\Big(\\sqrt{\\lambda_{Ax}\\,\\chi^2_d(p^{1/(2s)})} + \\|A\\mu_x\\|,\\
+                  \\sqrt{\\lambda_{A^{-T}y}\\,\\chi^2_d(p^{1/(2s)})} + \\|A^{-T}\\mu_y\\|\\Big),
+
+    with :math:`\\lambda` the largest eigenvalues of :math:`A\\Sigma_xA^\\top` and
+    :math:`A^{-T}\\Sigma_yA^{-1}`. With probability at least ``p`` over ``s`` i.i.d.
+    Gaussian queries and ``s`` keys, every :math:`\\|Ax_i\\|, \\|A^{-T}y_j\\| \\le r`, and then
+    the **RMS** relative error of HCEXP is at most :math:`W(r)/\\sqrt{2m}`
+    (:func:`hcexp_relative_rms_bound`); a single draw's error is not bounded.
+
+    Parameters
+    ----------
+    a : Tensor ``[d, d]`` (invertible)
+    mu_x, mu_y : Tensor ``[d]``
+    sigma_x, sigma_y : Tensor ``[d, d]`` (positive definite)
+    p : float in (0, 1)
+    s : int
+        Number of queries (and of keys).
+    """
+    d = a.shape[-1]
+    a = a.to(torch.float64)
+    a_inv_t = torch.linalg.inv(a).T
+    cov_x = a @ sigma_x.to(torch.float64) @ a.T
+    cov_y = a_inv_t @ sigma_y.to(torch.float64) @ a_inv_t.T
+    chi = chi2_quantile(p ** (1.0 / (2 * s)), d)
+    rx = math.sqrt(float(torch.linalg.eigvalsh(cov_x).max()) * chi) + float((a @ mu_x.to(torch.float64)).norm())
+    ry = math.sqrt(float(torch.linalg.eigvalsh(cov_y).max()) * chi) + float((a_inv_t @ mu_y.to(torch.float64)).norm())
+    return max(rx, ry)
+
+
+def hotelling_new_observation_quantile(q: float, n: int, d: int) -> float:
+    """Quantile of :math:`T^2 = (x - \\bar x)^\\top S^{-1}(x - \\bar x)` for a **new** observation
+    when mean and covariance are estimated from ``n`` samples (the Hotelling reading of the
+    paper's remark, spec 004 §2.4): :math:`\\frac{(n+1)(n-1)d}{n(n-d)} F_{d, n-d}(q)`."""
+    return (n + 1) * (n - 1) * d / (n * (n - d)) * f_quantile(q, d, n - d)

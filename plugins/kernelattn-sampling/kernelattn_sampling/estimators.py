@@ -210,8 +210,11 @@ class RandomizedAttention(_SamplingEstimator):
     supports_causal: ClassVar[bool] = True
     linear: ClassVar[bool] = False
     sample_index: ClassVar[bool] = True
+    unbiased_modes: ClassVar[tuple[str, ...]] = ("train",)  # eval drops the noise unless eval_noise=True
     claims: ClassVar[tuple[Any, ...]] = (
         UnbiasedAttention(dim=4, seq_len=6, num_features=1),
+        UnbiasedAttention(dim=4, seq_len=6, num_features=1, mode="eval", expect="fail"),
+        UnbiasedAttention(dim=4, seq_len=6, num_features=1, mode="eval", options={"eval_noise": True}),
         QuadratureIdentity(evaluate=ra_quadrature, label="E_{p_n}[f] == softmax attention (1-D, Prop. 3.2)"),
         QuadratureIdentity(evaluate=target_density_mass, label="RA target p_n integrates to 1 (1-D)"),
         SymbolicExpectation(derive=derive_lemma_a1_1d),

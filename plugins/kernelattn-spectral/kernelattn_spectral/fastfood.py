@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from kernelattn_core.claims.types import PositiveFeatures, UnbiasedKernelEstimate
+from kernelattn_core.claims.types import UnbiasedKernelEstimate
 from kernelattn_core.errors import InputError
 from kernelattn_core.interfaces.feature_map import FeatureMap
 
@@ -207,10 +207,7 @@ class FastFoodPRFFeatureMap(_FastFoodFeatureMap):
     kernel: ClassVar[str | None] = "spectral-prf"
     positive: ClassVar[bool] = True
     log_space: ClassVar[bool] = True
-    claims: ClassVar[tuple[Any, ...]] = (
-        UnbiasedKernelEstimate(num_features=64, options={"learn": "none"}),
-        PositiveFeatures(),
-    )
+    claims: ClassVar[tuple[Any, ...]] = (UnbiasedKernelEstimate(num_features=64, options={"learn": "none"}),)
 
     def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
         return prf_log_features(self.project(x), x)  # [..., M] (log)

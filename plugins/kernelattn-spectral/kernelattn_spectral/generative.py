@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernelattn_core.claims.types import PositiveFeatures
 from kernelattn_core.errors import InputError
 from kernelattn_core.interfaces.feature_map import FeatureMap
 
@@ -175,7 +174,7 @@ class GenerativePRFFeatureMap(_GenerativeFeatureMap):
     name: ClassVar[str] = "generative-prf"
     positive: ClassVar[bool] = True
     log_space: ClassVar[bool] = True
-    claims: ClassVar[tuple[Any, ...]] = (PositiveFeatures(),)
+    claims: ClassVar[tuple[Any, ...]] = ()
 
     def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
         return prf_log_features(self._projections(x), x)  # [..., M] (log)

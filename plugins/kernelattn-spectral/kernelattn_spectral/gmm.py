@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from kernelattn_core.claims.types import (
-    PositiveFeatures,
     QuadratureIdentity,
     SymbolicExpectation,
     UnbiasedKernelEstimate,
@@ -247,7 +246,6 @@ class GMMPRFFeatureMap(_GMMFeatureMap):
     log_space: ClassVar[bool] = True
     claims: ClassVar[tuple[Any, ...]] = (
         UnbiasedKernelEstimate(options={"mean_init_std": 0.0}),
-        PositiveFeatures(),
         SymbolicExpectation(derive=_c.derive_prf_1d),
         QuadratureIdentity(evaluate=_c.evaluate_gmm_prf_2d, label="GMM-PRF expectation, d = 2, C = 2, diagonal"),
     )

@@ -14,8 +14,11 @@ from typing import ClassVar
 
 import torch
 
+from kernelattn_core.claims import QuadratureIdentity
 from kernelattn_core.errors import InputError
 from kernelattn_core.interfaces.kernel import Kernel, KernelFamily, ShiftInvariantKernel
+
+from . import theory as _theory
 
 
 def _check_bandwidth(bandwidth: float) -> float:
@@ -101,6 +104,10 @@ class SpectralMixtureKernel(ShiftInvariantKernel):
 
     name: ClassVar[str] = "spectral-gmm"
     positive: ClassVar[bool] = False
+    claims: ClassVar[tuple[object, ...]] = (
+        QuadratureIdentity(evaluate=_theory.hp_eq34_corrected, label="KL-Transformer Eq. 34, corrected"),
+        QuadratureIdentity(evaluate=_theory.hp_eq34_printed, label="KL-Transformer Eq. 34 as printed", expect="fail"),
+    )
 
     def __init__(
         self,

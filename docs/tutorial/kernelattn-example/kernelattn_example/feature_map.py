@@ -11,7 +11,6 @@ import torch
 from kernelattn_core import FeatureMap
 from kernelattn_core.claims import (
     ErrorDecay,
-    PositiveFeatures,
     SymbolicExpectation,
     UnbiasedKernelEstimate,
 )
@@ -58,7 +57,6 @@ class AntitheticPRF(FeatureMap):
     default_num_features: ClassVar[int] = 64
     claims: ClassVar[tuple] = (
         UnbiasedKernelEstimate(dims=(16, 64)),
-        PositiveFeatures(),
         SymbolicExpectation(derive=antithetic_expectation),
         ErrorDecay(slope=-1.0),
     )
