@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -39,10 +40,19 @@ class HedgehogFeatureMap(FeatureMap):
 
     Queries and keys have separate weights unless ``tied=True`` (Hedgehog trains one
     map per side). Nothing is random: the weights start at a fixed, deterministic
-    initialisation (identity-like: :math:`W = I_{d \\times m}` plus a small
-    perturbation from a fixed seed, so the columns beyond ``d`` are not duplicates) and
-    are meant to be fitted (distillation of softmax attention rows), for example with
-    ``kernelattn convert``.
+    initialisation and are meant to be fitted (distillation of softmax attention rows),
+    for example with ``kernelattn convert``:
+
+    * ``init="identity"`` (Hedgehog): :math:`W = I_{d \\times m}` plus a small
+      perturbation (``init_scale``) from a fixed seed, :math:`b = 0`, :math:`\\beta = 0`;
+    * ``init="prf"``: :math:`W` one fixed Gaussian draw (seed 0, the same for queries
+      and keys), :math:`\\beta = -\\tfrac12 \\log 2m`, and the norm term
+      :math:`-\\lVert x \\rVert^2 / 2` added to every log-feature, so that before any
+      fitting :math:`\\phi_q(q)^\\top\\phi_k(k) = \\frac{1}{2m}\\sum_{r}
+      (e^{w_r^\\top (q + k)} + e^{-w_r^\\top (q + k)}) e^{-(\\lVert q\\rVert^2 +
+      \\lVert k\\rVert^2)/2}`: antithetic positive random features, whose expectation
+      over the draw is :math:`e^{q^\\top k}` (calibrated against the exact terms of
+      ``sliding-window`` from the start). The norm term stays with this option.
 
     Parameters
     ----------
@@ -59,7 +69,9 @@ class HedgehogFeatureMap(FeatureMap):
     tied : bool
         Use the same weights for queries and keys.
     init_scale : float
-        Standard deviation of the fixed initial perturbation of :math:`W`.
+        Standard deviation of the fixed initial perturbation of :math:`W` (identity init).
+    init : {"identity", "prf"}
+        See above.
     generator : torch.Generator, optional
         Unused (nothing is random); accepted for interface compatibility.
 
@@ -91,6 +103,7 @@ class HedgehogFeatureMap(FeatureMap):
         activation: str = "exp",
         tied: bool = False,
         init_scale: float = 0.05,
+        init: str = "identity",
         generator: torch.Generator | None = None,
     ) -> None:
         d_total = self.default_num_features if num_features is None else num_features
@@ -105,6 +118,7 @@ class HedgehogFeatureMap(FeatureMap):
         if not isinstance(init_scale, int | float) or isinstance(init_scale, bool) or init_scale < 0:
             raise InputError(f"init_scale: expected a number >= 0, got {init_scale!r}")
         self.init_scale = float(init_scale)
+        self.init = str(check_choice("init", init, ("identity", "prf")))
         super().__init__(head_dim, d_total, generator=generator)
 
     @property
@@ -115,10 +129,15 @@ class HedgehogFeatureMap(FeatureMap):
     def _build(self, head_dim: int) -> None:
         h, m = self.num_heads or 1, self.half_features
         g = torch.Generator().manual_seed(INIT_SEED)
-        eye = torch.eye(head_dim, m, dtype=torch.float64)  # [d, m], identity-like
+        if self.init == "prf":
+            base = torch.randn(head_dim, m, generator=g, dtype=torch.float64)  # [d, m], shared by both sides
+        else:
+            base = torch.eye(head_dim, m, dtype=torch.float64)  # [d, m], identity-like
+
+        jitter = self.init_scale if self.init == "identity" else 0.0  # prf: both sides the same draw
 
         def weight() -> nn.Parameter:
-            w = eye + self.init_scale * torch.randn(h, head_dim, m, generator=g, dtype=torch.float64)
+            w = base + jitter * torch.randn(h, head_dim, m, generator=g, dtype=torch.float64)
             return nn.Parameter(w.to(torch.get_default_dtype()))  # [H, d, m]
 
         self.weight_q = weight()
@@ -128,7 +147,8 @@ class HedgehogFeatureMap(FeatureMap):
         else:
             self.weight_k = weight()
             self.bias_k = nn.Parameter(torch.zeros(h, m))
-        self.log_scale = nn.Parameter(torch.zeros(h))  # [H]: beta_h, on each side
+        beta0 = -0.5 * math.log(2 * m) if self.init == "prf" else 0.0
+        self.log_scale = nn.Parameter(torch.full((h,), beta0))  # [H]: beta_h, on each side
 
     def _feature_dim(self) -> int:
         return self.num_features
@@ -151,6 +171,8 @@ class HedgehogFeatureMap(FeatureMap):
             logf = torch.cat([u, -u], dim=-1)
         else:
             logf = torch.cat([u.log_softmax(-1), (-u).log_softmax(-1)], dim=-1)
+        if self.init == "prf":  # antithetic positive random features e^{+-(w.x + b) - |x|^2 / 2}
+            logf = logf - 0.5 * x.square().sum(-1, keepdim=True)
         return logf + beta  # [..., D] log-features
 
     def extra_repr(self) -> str:

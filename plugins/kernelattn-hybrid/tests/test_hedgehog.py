@@ -133,3 +133,22 @@ def test_per_head_weights_need_matching_heads():
         fm.query(torch.randn(2, 4, 5, 4))
     with pytest.raises(InputError, match=r"num_heads = 3"):
         fm.query(torch.randn(5, 4))
+
+
+def test_prf_init_is_calibrated_against_exact_softmax():
+    # init="prf": antithetic positive random features, so before any fitting the map
+    # estimates e^{q.k} on the exact terms' scale and the error falls as D grows
+    q, k, v = (_rand(1, 2, 200, 16, seed=s) * 0.5 for s in (10, 11, 12))
+    ref = ka.create("softmax")(q, k, v)
+    errors = []
+    with torch.no_grad():
+        for d_total in (16, 256, 4096):
+            est = ka.create("sliding-window", window=0, num_features=d_total, init="prf").double()
+            errors.append(float((est(q, k, v) - ref).norm() / ref.norm()))
+            fm = est.feature_map
+            assert torch.equal(fm.weight_q, fm.weight_k)  # one draw for both sides
+    assert errors[0] > errors[1] > errors[2] and errors[2] < 0.12, errors
+    # the identity init is not an estimator of e^{q.k}: its error does not fall with D
+    with torch.no_grad():
+        ident = ka.create("sliding-window", window=0, num_features=4096).double()
+        assert float((ident(q, k, v) - ref).norm() / ref.norm()) > 0.3
