@@ -1,0 +1,208 @@
+"""The ``sliding-window`` estimator: exact softmax inside a local window, a feature map
+outside it, one normaliser."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, ClassVar
+
+import torch
+
+from kernelattn_core.claims import ConsistentAttention
+from kernelattn_core.engine.torch_backend import compute_dtype
+from kernelattn_core.errors import InputError
+from kernelattn_core.interfaces.estimator import AttentionEstimator
+from kernelattn_core.interfaces.feature_map import FeatureMap
+from kernelattn_core.redraw import RedrawPolicy
+from kernelattn_core.validation import check_positive_int
+
+from .window import window_attention_blocked
+
+#: smallest block length of the blocked computation (fewer, larger matmuls)
+MIN_BLOCK = 32
+
+
+def _nonneg_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InputError(f"{name}: expected an int >= 0, got {value!r}")
+    return value
+
+
+class SlidingWindowAttention(AttentionEstimator):
+    """Sliding-window + feature-map attention (hybrid local/global, as in LoLCATs and
+    Based): exact softmax terms for the keys in a local window (and optional global
+    tokens), feature-map terms for every other key, and **one** normaliser, so every
+    row sums to one.
+
+    .. math::
+        \\mathrm{out}_i = \\frac{\\sum_{j \\in W_i} e^{q_i^\\top k_j} v_j
+                                 + \\sum_{j \\notin W_i} \\phi_q(q_i)^\\top \\phi_k(k_j) v_j}
+                                {\\sum_{j \\in W_i} e^{q_i^\\top k_j}
+                                 + \\sum_{j \\notin W_i} \\phi_q(q_i)^\\top \\phi_k(k_j)}
+
+    with :math:`W_i = \\{ j : |i - j| \\le w \\}` non-causal (``2w + 1`` keys) or
+    :math:`W_i = \\{ j : i - w < j \\le i \\}` causal (the last ``w`` keys), plus the first
+    ``global_tokens`` keys (attention sinks such as ``[CLS]``) for every query.
+    Linear in sequence length (see :mod:`kernelattn_hybrid.window`); with
+    :math:`w \\ge N` it is exact softmax attention.
+
+    The exact and feature terms share one per-row stabiliser (the log-features of the
+    map and the logits are compared on one scale), so the normaliser is exact and the
+    causal form never lets a later key change an earlier output.
+
+    Parameters
+    ----------
+    window : int
+        Half-width ``w`` non-causal, number of most recent keys causal (``0``: none).
+    feature_map : FeatureMap or str
+        Any registered feature map (by name, built with ``num_features``,
+        ``num_heads`` when it accepts it, and ``**feature_map_options``) or an instance.
+        Positive maps are expected (signed maps can give denominators near zero).
+    num_features : int, optional
+        The map's feature budget :math:`D`.
+    num_heads : int, optional
+        Passed to maps with per-head parameters (``hedgehog``); ignored by others.
+    head_dim : int, optional
+        Build the map now; otherwise on the first call.
+    global_tokens : int
+        The first this many keys are always exact (counted in :attr:`budget`).
+    block_size : int, optional
+        Block length of the blocked computation; ``max(window, 32)`` by default.
+    redraw_every, seed : int
+        Redraw policy of random maps (see :class:`~kernelattn_core.redraw.RedrawPolicy`).
+    scale : float, optional
+        See :class:`~kernelattn_core.interfaces.AttentionEstimator`.
+    **feature_map_options
+        Passed to the map (``activation="softmax"`` for ``hedgehog``, ...).
+
+    Examples
+    --------
+    >>> import torch, kernelattn_core as ka
+    >>> q = k = v = torch.randn(1, 2, 16, 8, dtype=torch.float64)
+    >>> est = ka.create("sliding-window", window=16, num_features=8).double()
+    >>> ref = ka.create("softmax")(q, k, v)
+    >>> bool(torch.allclose(est(q, k, v), ref, atol=1e-12))  # window >= N: exact
+    True
+    """
+
+    name: ClassVar[str] = "sliding-window"
+    aliases: ClassVar[tuple[str, ...]] = ("swa-hybrid",)
+    unbiased: ClassVar[bool] = False
+    consistent: ClassVar[bool] = True
+    supports_causal: ClassVar[bool] = True
+    random: ClassVar[bool] = False
+    has_budget: ClassVar[bool] = True
+    linear: ClassVar[bool] = True
+    #: with unbiased random features outside the window (``prf``), the error and the
+    #: bias of the self-normalised ratio shrink as the feature budget grows
+    claims: ClassVar[tuple[Any, ...]] = (ConsistentAttention(options={"window": 2, "feature_map": "prf"}),)
+
+    def __init__(
+        self,
+        window: int = 16,
+        feature_map: FeatureMap | str = "hedgehog",
+        *,
+        num_features: int | None = None,
+        num_heads: int | None = None,
+        head_dim: int | None = None,
+        global_tokens: int = 0,
+        block_size: int | None = None,
+        redraw_every: int = 0,
+        seed: int | None = None,
+        scale: float | None = None,
+        **feature_map_options: Any,
+    ) -> None:
+        super().__init__(scale=scale)
+        self.window = _nonneg_int("window", window)
+        self.global_tokens = _nonneg_int("global_tokens", global_tokens)
+        self.block_size = None if block_size is None else check_positive_int("block_size", block_size)
+        if self.block_size is not None and self.block_size < self.window:
+            raise InputError(f"block_size: expected >= window ({self.window}), got {self.block_size}")
+        self.num_heads = None if num_heads is None else check_positive_int("num_heads", num_heads)
+        if isinstance(feature_map, FeatureMap):
+            if num_features is not None or feature_map_options:
+                raise InputError(
+                    "feature_map: num_features and feature-map options go with a registry name, not an instance"
+                )
+            self.feature_map = feature_map
+        elif isinstance(feature_map, str):
+            from kernelattn_core.builtins.estimators import _construct
+            from kernelattn_core.registry import get_registry
+
+            cls = get_registry().feature_map(feature_map)
+            options = dict(feature_map_options)
+            if num_features is not None:
+                options["num_features"] = num_features
+            if num_heads is not None and "num_heads" in inspect.signature(cls.__init__).parameters:
+                options["num_heads"] = num_heads
+            self.feature_map = _construct("feature map", cls, "sliding-window", options)
+        else:
+            raise InputError(f"feature_map: expected a FeatureMap or a registered name, got {feature_map!r}")
+        self.redraw_policy = RedrawPolicy(redraw_every, seed)
+        if head_dim is not None:
+            self.redraw_policy.initial(self.feature_map, check_positive_int("head_dim", head_dim))
+
+    @property
+    def num_features(self) -> int:
+        """The feature budget :math:`D` of the map."""
+        return self.feature_map.num_features
+
+    def exact_keys(self, causal: bool = False) -> int:
+        """Keys computed exactly per query: ``2w + 1`` (non-causal) or ``w`` (causal),
+        plus the global tokens."""
+        return (self.window if causal else 2 * self.window + 1) + self.global_tokens
+
+    def budget(self, causal: bool = False) -> int:
+        """Total per-query budget: exact keys plus features (what a budget comparison
+        with pure feature maps should count)."""
+        return self.exact_keys(causal) + self.feature_map.num_features
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        # Keys and values that are padded, or non-finite, are zeroed before any product:
+        # a matmul would spread them (0 * NaN) into queries that must not see them (padding,
+        # future positions inside a block). A non-finite key or value that a query *may*
+        # see makes that query's output NaN, as in exact attention.
+        dead = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [B, H, M]
+        if key_padding_mask is not None:
+            dead = dead & ~key_padding_mask[:, None, :]
+            zero = (dead | key_padding_mask[:, None, :]).unsqueeze(-1)
+        else:
+            zero = dead.unsqueeze(-1)
+        k = k.masked_fill(zero, 0.0)
+        v = v.masked_fill(zero, 0.0)
+        out = self._attend_finite(q, k, v, causal, key_padding_mask)
+        if causal:
+            poisoned = dead.cummax(-1).values[..., : q.shape[-2]]  # [B, H, N]: some earlier key is non-finite
+        else:
+            poisoned = dead.any(-1, keepdim=True).expand(q.shape[:-1])
+        return out.masked_fill(poisoned.unsqueeze(-1), float("nan"))
+
+    def _attend_finite(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        fm = self.feature_map
+        if not fm.built:
+            self.redraw_policy.initial(fm, q.shape[-1])
+        self.redraw_policy.before_forward(fm, self.training)
+        fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)
+        dtype = compute_dtype(q.dtype)
+        phi_q = fm.raw_features(q, query=True).to(dtype)  # [B, H, N, D]
+        phi_k = fm.raw_features(k, query=False).to(dtype)  # [B, H, M, D]
+        block = self.block_size or max(self.window, MIN_BLOCK)
+        block = min(block, max(q.shape[-2], k.shape[-2], self.window, 1))
+        self.last_backend = "blocked"
+        out = window_attention_blocked(
+            q.to(dtype),
+            k.to(dtype),
+            v.to(dtype),
+            phi_q,
+            phi_k,
+            log_space=fm.log_space,
+            window=self.window,
+            global_tokens=self.global_tokens,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            block_size=block,
+        )
+        return out.to(v.dtype)
+
+    def extra_repr(self) -> str:
+        return f"window={self.window}, global_tokens={self.global_tokens}, scale={self.scale}"

@@ -1,0 +1,256 @@
+"""Blocked computation of sliding-window + feature-map attention, linear in sequence length.
+
+For query :math:`i` let :math:`W_i` be its exact set: the keys inside the window
+(:math:`|i - j| \\le w` non-causal; :math:`i - w < j \\le i` causal) and the first
+``g`` keys (global tokens, "attention sinks"). Every other allowed key :math:`j`
+(:math:`F_i`) enters through the feature map, and one normaliser covers both:
+
+.. math::
+    \\mathrm{out}_i = \\frac{\\sum_{j \\in W_i} e^{s_{ij}} v_j + \\sum_{j \\in F_i} \\phi_q(q_i)^\\top \\phi_k(k_j) v_j}
+                           {\\sum_{j \\in W_i} e^{s_{ij}} + \\sum_{j \\in F_i} \\phi_q(q_i)^\\top \\phi_k(k_j)},
+    \\qquad s_{ij} = q_i^\\top k_j .
+
+**Blocks.** Positions are cut into blocks of ``C >= w`` positions. The keys of a
+query's own block and its neighbours (``b - 1, b, b + 1``; causal: ``b - 1, b``) are its
+*local* keys: there both the logits and the feature scores are formed (``[C, 3C]`` per
+block) and each pair takes the term its set says. Keys of farther blocks are all
+feature keys; they reach the query through per-block sums
+:math:`S_b = \\sum_{j \\in b} \\phi_k(k_j) v_j^\\top` combined by a prefix and a suffix
+cumulative sum over blocks (non-causal). Time :math:`O(N C (d + d_v) + N D d_v)`,
+memory :math:`O(N C + (N / C) D d_v)`; no ``[N, M]`` tensor.
+
+**One stabiliser for both parts (exact, causal-safe).** For log-space maps
+(:math:`l = \\log \\phi`) the feature score is
+:math:`\\phi_q(q_i)^\\top \\phi_k(k_j) = e^{a_i + c_j} \\sum_D e^{l_{q,i} - a_i} e^{l_{k,j} - c_j}`
+with :math:`a_i = \\max_D l_{q,i}` and a key constant :math:`c_j`: the global maximum
+:math:`c` of the key log-features (non-causal) or their prefix maximum
+:math:`c_j = \\max_{j' \\le j} \\max_D l_{k,j'}` (causal: it depends on earlier keys only).
+Row :math:`i` is then scaled by :math:`e^{-m_i}` with
+
+.. math:: m_i = \\max\\left(\\max_{j \\in W_i} s_{ij},\\; a_i + c_i\\right),
+
+the *same* constant for the exact and the feature terms, so it cancels exactly in the
+ratio and every term is :math:`\\le 1` (exact terms by the maximum; feature terms
+through the gate :math:`e^{c_j - c_i} \\le 1` for :math:`j \\le i`). Causal block sums
+are stated at the block's last prefix maximum and restated with such gates, so a
+later, larger key never changes an earlier output. For maps that are not in log
+space, :math:`a = c = 0`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NEG = float("-inf")
+
+
+def _blocks(x: torch.Tensor, length: int, block: int) -> torch.Tensor:
+    """``x [B, H, L, e]`` padded with zeros to ``length`` and cut into ``[B, H, L / C, C, e]``."""
+    x = F.pad(x, (0, 0, 0, length - x.shape[-2]))
+    return x.unflatten(-2, (length // block, block))
+
+
+def _local(x: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Per block, the concatenation of the previous, own and (non-causal) next block:
+    ``[B, H, nb, C, e]`` to ``[B, H, nb, 2C or 3C, e]`` (zeros beyond the ends)."""
+    padded = F.pad(x, (0, 0, 0, 0, 1, 0 if causal else 1))  # one zero block each side
+    parts = (
+        [padded[:, :, :-2], padded[:, :, 1:-1], padded[:, :, 2:]]
+        if not causal
+        else [padded[:, :, :-1], padded[:, :, 1:]]
+    )
+    return torch.cat(parts, dim=-2)
+
+
+def window_attention_blocked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    *,
+    log_space: bool,
+    window: int,
+    global_tokens: int,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    block_size: int,
+) -> torch.Tensor:
+    """Sliding-window + feature-map attention (see the module docstring).
+
+    Parameters
+    ----------
+    q, k : Tensor ``[B, H, N, d]``, ``[B, H, M, d]``
+        Scaled queries and keys (logits are ``q k^T``).
+    v : Tensor ``[B, H, M, dv]``
+    phi_q, phi_k : Tensor ``[B, H, N, D]``, ``[B, H, M, D]``
+        Features, or log-features when ``log_space``.
+    window : int
+        Half-width ``w`` (non-causal) or number of most recent keys (causal).
+    global_tokens : int
+        The first this many keys are exact for every query.
+    key_padding_mask : Tensor ``[B, M]`` of bool, optional
+    block_size : int
+        Block length ``C`` (at least ``window``).
+
+    Returns
+    -------
+    Tensor ``[B, H, N, dv]``; rows with no allowed key are zero.
+    """
+    b_, h_, n, _ = q.shape
+    m_keys = k.shape[-2]
+    device = q.device
+    c_blk = block_size
+    nb = -(-max(n, m_keys) // c_blk)
+    length = nb * c_blk
+    g = min(global_tokens, m_keys)
+
+    # ------------------------------------------------------------ key validity and position sets
+    pos = torch.arange(length, device=device)
+    valid = (pos < m_keys).expand(b_, length)  # [B, L]
+    if key_padding_mask is not None:
+        valid = valid & ~F.pad(key_padding_mask, (0, length - m_keys), value=True)
+    feat_key = valid & (pos >= g)  # keys that may enter through features [B, L]
+
+    # ------------------------------------------------------------ feature stabilisers
+    if log_space:
+        lq = phi_q
+        a = lq.detach().amax(-1)  # [B, H, N]
+        a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
+        fq = (lq - a.unsqueeze(-1)).exp()
+        lk = F.pad(phi_k, (0, 0, 0, length - m_keys)).masked_fill(~feat_key[:, None, :, None], NEG)
+        kmax = lk.detach().amax(-1)  # [B, H, L]
+        if causal:
+            c_raw = kmax.cummax(-1).values  # prefix maximum: causal
+        else:
+            c_raw = kmax.amax(-1, keepdim=True).expand_as(kmax)  # one constant per row of heads
+        c_ok = torch.isfinite(c_raw)
+        c = torch.where(c_ok, c_raw, torch.zeros_like(c_raw))  # [B, H, L]
+        fk = (lk - c.unsqueeze(-1)).exp()  # [B, H, L, D], <= 1, non-feature keys 0
+    else:
+        fq = phi_q
+        a = torch.zeros(q.shape[:-1], dtype=q.dtype, device=device)
+        fk = F.pad(phi_k, (0, 0, 0, length - m_keys)).masked_fill(~feat_key[:, None, :, None], 0.0)
+        c = torch.zeros(b_, h_, length, dtype=q.dtype, device=device)
+        c_ok = feat_key[:, None, :].expand(b_, h_, length)
+        if causal:
+            c_ok = c_ok.cummax(-1).values
+        else:
+            c_ok = c_ok.any(-1, keepdim=True).expand_as(c_ok)
+
+    # ------------------------------------------------------------ blocks
+    qb = _blocks(q, length, c_blk)  # [B, H, nb, C, d]
+    fqb = _blocks(fq, length, c_blk)  # [B, H, nb, C, D]
+    kb = _blocks(k, length, c_blk)
+    vb = _blocks(v, length, c_blk)  # [B, H, nb, C, dv]
+    fkb = fk.unflatten(-2, (nb, c_blk))  # [B, H, nb, C, D]
+    k_loc, v_loc, fk_loc = _local(kb, causal), _local(vb, causal), _local(fkb, causal)  # [B, H, nb, R, .]
+    r_loc = k_loc.shape[-2]
+    qpos = pos.view(nb, c_blk)  # [nb, C]
+    kpos = qpos[:, :1] - c_blk + torch.arange(r_loc, device=device)  # [nb, R] (may be < 0 or >= L)
+    in_range = (kpos >= 0) & (kpos < length)
+    kpos_c = kpos.clamp(0, length - 1)
+    valid_loc = valid[:, kpos_c] & in_range  # [B, nb, R]
+    feat_loc = feat_key[:, kpos_c] & in_range
+    diff = qpos[:, :, None] - kpos[:, None, :]  # [nb, C, R]: i - j
+    if causal:
+        in_win = (diff >= 0) & (diff < window)
+        seen = diff >= 0
+    else:
+        in_win = diff.abs() <= window
+        seen = torch.ones_like(in_win)
+    exact_loc = in_win[None] & valid_loc[:, :, None, :] & (kpos >= g)[None, :, None, :]  # [B, nb, C, R]
+    featm_loc = (~in_win & seen)[None] & feat_loc[:, :, None, :]  # [B, nb, C, R]
+
+    # ------------------------------------------------------------ exact logits (window and globals)
+    s_loc = (qb @ k_loc.transpose(-1, -2)).masked_fill(~exact_loc[:, None], NEG)  # [B, H, nb, C, R]
+    win_max = s_loc.detach().amax(-1).flatten(-2)  # [B, H, L]
+    if g > 0:
+        qg = F.pad(q, (0, 0, 0, length - n))  # [B, H, L, d]
+        s_g = qg @ k[:, :, :g].transpose(-1, -2)  # [B, H, L, g]
+        g_ok = valid[:, None, None, :g]
+        if causal:
+            g_ok = g_ok & (pos[:, None] >= torch.arange(g, device=device))[None, None]
+        s_g = s_g.masked_fill(~g_ok, NEG)
+        win_max = torch.maximum(win_max, s_g.detach().amax(-1))
+
+    # ------------------------------------------------------------ one stabiliser per row
+    a_l = F.pad(a, (0, length - n))  # [B, H, L]
+    feat_top = torch.where(c_ok, a_l + c, torch.full_like(c, NEG))  # a_i + c_i, -inf: no feature key yet
+    m = torch.maximum(win_max, feat_top)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows with no allowed key
+    scale_f = torch.where(c_ok, a_l + c - m, torch.full_like(m, NEG)).exp()  # [B, H, L], <= 1
+    mb = m.unflatten(-1, (nb, c_blk))  # [B, H, nb, C]
+
+    e_loc = (s_loc - mb.unsqueeze(-1)).exp()  # [B, H, nb, C, R]
+    f_loc = fqb @ fk_loc.transpose(-1, -2)  # [B, H, nb, C, R]
+    if log_space and causal:
+        c_b = c.unflatten(-1, (nb, c_blk))  # [B, H, nb, C]
+        c_kloc = _local(c_b.unsqueeze(-1), True).squeeze(-1)  # [B, H, nb, R]
+        gate = (c_kloc.unsqueeze(-2) - c_b.unsqueeze(-1)).masked_fill(~featm_loc[:, None], NEG)
+        f_loc = f_loc * gate.exp()  # e^{c_j - c_i} <= 1 on feature pairs, 0 elsewhere
+    else:
+        f_loc = f_loc.masked_fill(~featm_loc[:, None], 0.0)
+    w_loc = e_loc + f_loc * scale_f.unflatten(-1, (nb, c_blk)).unsqueeze(-1)  # [B, H, nb, C, R]
+    num = (w_loc @ v_loc).flatten(2, 3)  # [B, H, L, dv]
+    den = w_loc.sum(-1).flatten(2, 3)  # [B, H, L]
+    if g > 0:
+        e_g = (s_g - m.unsqueeze(-1)).exp()  # [B, H, L, g]
+        num = num + e_g @ v[:, :, :g]
+        den = den + e_g.sum(-1)
+
+    # ------------------------------------------------------------ far blocks: per-block sums
+    if nb > 2 or (causal and nb > 1):
+        if log_space and causal:
+            c_end = c.unflatten(-1, (nb, c_blk))[..., -1]  # [B, H, nb]: c at each block's end
+            restate = (c.unflatten(-1, (nb, c_blk)) - c_end.unsqueeze(-1)).exp()  # [B, H, nb, C] <= 1
+            fk_s = fkb * restate.unsqueeze(-1)
+        else:
+            fk_s = fkb
+        s_blk = fk_s.transpose(-1, -2) @ vb  # [B, H, nb, D, dv]
+        z_blk = fk_s.sum(-2)  # [B, H, nb, D]
+        if causal:
+            far_s, far_z, far_c = _causal_prefix(s_blk, z_blk, c_end if log_space else None)
+        else:
+            pre_s, pre_z = s_blk.cumsum(2), z_blk.cumsum(2)
+            suf_s, suf_z = s_blk.flip(2).cumsum(2).flip(2), z_blk.flip(2).cumsum(2).flip(2)
+            zs, zz = torch.zeros_like(s_blk[:, :, :2]), torch.zeros_like(z_blk[:, :, :2])
+            far_s = torch.cat([zs, pre_s[:, :, :-2]], 2) + torch.cat([suf_s[:, :, 2:], zs], 2)
+            far_z = torch.cat([zz, pre_z[:, :, :-2]], 2) + torch.cat([suf_z[:, :, 2:], zz], 2)
+            far_c = None
+        sf = scale_f.unflatten(-1, (nb, c_blk))  # [B, H, nb, C]
+        if far_c is not None:
+            sf = sf * (far_c.unsqueeze(-1) - c.unflatten(-1, (nb, c_blk))).exp()  # gate <= 1
+        num = num + ((fqb @ far_s) * sf.unsqueeze(-1)).flatten(2, 3)
+        den = den + ((fqb @ far_z.unsqueeze(-1)).squeeze(-1) * sf).flatten(2, 3)
+
+    num, den = num[:, :, :n], den[:, :, :n]
+    safe = torch.where(den > 0, den, torch.ones_like(den))
+    out = num / safe.unsqueeze(-1)
+    return torch.where((den > 0).unsqueeze(-1), out, torch.zeros_like(out))
+
+
+def _causal_prefix(
+    s_blk: torch.Tensor, z_blk: torch.Tensor, c_end: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Sums of blocks ``<= b - 2`` for every block ``b`` (causal far part).
+
+    Block sums are stated at the block's end constant ``c_end[b]`` (non-decreasing).
+    Plain maps: an exclusive cumulative sum. Log-space maps: each earlier block is
+    restated at ``c_end[b - 2]`` with the gate :math:`e^{c_{b'} - c_{b-2}} \\le 1`
+    through a lower-triangular ``[nb, nb]`` gate matrix (``(N / C)^2`` gates, no
+    overflow, nothing later than block ``b - 2`` involved).
+    """
+    nb = s_blk.shape[2]
+    if c_end is None:
+        pre_s, pre_z = s_blk.cumsum(2), z_blk.cumsum(2)
+        zs, zz = torch.zeros_like(s_blk[:, :, :2]), torch.zeros_like(z_blk[:, :, :2])
+        return torch.cat([zs, pre_s[:, :, :-2]], 2), torch.cat([zz, pre_z[:, :, :-2]], 2), None
+    tri = torch.ones(nb, nb, dtype=torch.bool, device=s_blk.device).tril()
+    gates = (c_end.unsqueeze(-2) - c_end.unsqueeze(-1)).masked_fill(~tri, NEG).exp()  # [B, H, nb(b), nb(b')]
+    pre_s = torch.einsum("zhbc,zhcde->zhbde", gates, s_blk)  # stated at c_end[b]
+    pre_z = torch.einsum("zhbc,zhcd->zhbd", gates, z_blk)
+    zs, zz = torch.zeros_like(s_blk[:, :, :2]), torch.zeros_like(z_blk[:, :, :2])
+    far_c = torch.cat([torch.full_like(c_end[:, :, :2], NEG), c_end[:, :, :-2]], 2)  # no far block: gate 0
+    return torch.cat([zs, pre_s[:, :, :-2]], 2), torch.cat([zz, pre_z[:, :, :-2]], 2), far_c

@@ -1,0 +1,250 @@
+"""sliding-window: the blocked path against the quadratic reference (outputs and
+gradients), masks, causality, the exact limit, budgets and errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from kernelattn_hybrid import SlidingWindowAttention
+from kernelattn_hybrid.naive import exact_sets, window_attention_naive
+from kernelattn_hybrid.window import window_attention_blocked
+
+import kernelattn_core as ka
+from kernelattn_core.errors import InputError
+
+F64 = torch.float64
+
+
+def _rand(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64) * scale
+
+
+def _problem(n: int, m: int, d: int = 6, feats: int = 5, dv: int = 3, seed: int = 0, log_space: bool = True):
+    q, k, v = _rand(2, 3, n, d, seed=seed), _rand(2, 3, m, d, seed=seed + 1), _rand(2, 3, m, dv, seed=seed + 2)
+    pq, pk = _rand(2, 3, n, feats, seed=seed + 3, scale=2.0), _rand(2, 3, m, feats, seed=seed + 4, scale=2.0)
+    if not log_space:
+        pq, pk = pq.exp(), pk.exp()
+    return q, k, v, pq, pk
+
+
+def _mask(m: int) -> torch.Tensor:
+    mask = torch.zeros(2, m, dtype=torch.bool)
+    mask[0, m // 2 :] = True
+    mask[1, :1] = True
+    return mask
+
+
+@pytest.mark.parametrize(
+    ("n", "window", "glob", "causal", "log_space", "padded"),
+    list(itertools.product([1, 7, 29], [0, 2, 5], [0, 2], [False, True], [True, False], [False, True])),
+)
+def test_blocked_matches_naive(n, window, glob, causal, log_space, padded):
+    q, k, v, pq, pk = _problem(n, n, log_space=log_space)
+    mask = _mask(n) if padded else None
+    kw = dict(log_space=log_space, window=window, global_tokens=glob, causal=causal, key_padding_mask=mask)
+    ref = window_attention_naive(q, k, v, pq, pk, **kw)
+    for block in sorted({max(window, 1), max(window, 4), 8}):  # the block length changes nothing
+        out = window_attention_blocked(q, k, v, pq, pk, block_size=block, **kw)
+        torch.testing.assert_close(out, ref, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize(("n", "m"), [(5, 13), (13, 5), (20, 7)])
+def test_cross_attention_matches_naive(n, m):
+    q, k, v, pq, pk = _problem(n, m)
+    kw = dict(log_space=True, window=2, global_tokens=1, causal=False, key_padding_mask=None)
+    out = window_attention_blocked(q, k, v, pq, pk, block_size=4, **kw)
+    torch.testing.assert_close(out, window_attention_naive(q, k, v, pq, pk, **kw), rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize(("causal", "log_space"), [(False, True), (True, True), (True, False), (False, False)])
+def test_gradients_match_naive_and_gradcheck(causal, log_space):
+    q, k, v, pq, pk = (t[:, :1] for t in _problem(10, 10, d=3, feats=3, dv=2, seed=5, log_space=log_space))
+    inputs = [t.clone().requires_grad_() for t in (q, k, v, pq, pk)]
+    kw = dict(log_space=log_space, window=2, global_tokens=1, causal=causal, key_padding_mask=_mask(10))
+
+    def fast(*xs):
+        return window_attention_blocked(*xs, block_size=4, **kw)
+
+    torch.autograd.gradcheck(fast, inputs)
+    w = _rand(2, 1, 10, 2, seed=9)
+    g_fast = torch.autograd.grad((fast(*inputs) * w).sum(), inputs)
+    g_ref = torch.autograd.grad((window_attention_naive(*inputs, **kw) * w).sum(), inputs)
+    for a, b in zip(g_fast, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_naive_reference_is_the_stated_formula():
+    # a hand-built weight matrix, independent of both implementations
+    q, k, v, pq, pk = _problem(6, 6, seed=3)
+    out = window_attention_naive(
+        q, k, v, pq, pk, log_space=True, window=1, global_tokens=1, causal=True, key_padding_mask=None
+    )
+    w = torch.zeros(2, 3, 6, 6, dtype=F64)
+    for i in range(6):
+        for j in range(i + 1):
+            if i - j < 1 or j < 1:
+                w[:, :, i, j] = (q[:, :, i] * k[:, :, j]).sum(-1).exp()
+            else:
+                w[:, :, i, j] = (pq[:, :, i].exp() * pk[:, :, j].exp()).sum(-1)
+    torch.testing.assert_close(out, (w / w.sum(-1, keepdim=True)) @ v, rtol=1e-12, atol=1e-13)
+    exact, seen = exact_sets(4, 4, 1, 0, False, torch.device("cpu"))
+    assert exact.sum() == 4 + 2 * 3 and bool(seen.all())
+
+
+def _est(window: int = 3, **options) -> SlidingWindowAttention:
+    options.setdefault("num_features", 8)
+    return ka.create("sliding-window", window=window, **options).double()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("feature_map", ["hedgehog", "elu", "prf"])
+@torch.no_grad()
+def test_window_covering_the_sequence_is_exact_softmax(causal, feature_map):
+    q, k, v = _rand(2, 2, 37, 8, seed=1, scale=1.5), _rand(2, 2, 37, 8, seed=2, scale=1.5), _rand(2, 2, 37, 4, seed=3)
+    ref = ka.create("softmax")(q, k, v, causal=causal)
+    for window in (37, 100):
+        out = _est(window, feature_map=feature_map)(q, k, v, causal=causal)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    # a window that does not cover the sequence is not exact: the check can fail
+    assert float((_est(4, feature_map=feature_map)(q, k, v, causal=causal) - ref).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@torch.no_grad()
+def test_rows_sum_to_one(causal):
+    q, k = _rand(1, 2, 50, 8, seed=4, scale=2.0), _rand(1, 2, 50, 8, seed=5, scale=2.0)
+    eye = torch.eye(50, dtype=F64).expand(1, 2, 50, 50)
+    rows = _est(4, global_tokens=1)(q, k, eye, causal=causal)  # one-hot values: the weight rows
+    torch.testing.assert_close(rows.sum(-1), torch.ones(1, 2, 50, dtype=F64), rtol=0, atol=1e-12)
+    assert bool((rows >= 0).all())
+    if causal:
+        assert float(rows.triu(1).abs().max()) == 0.0
+
+
+def test_estimator_matches_naive_through_the_map():
+    est = _est(2, global_tokens=1, num_heads=3, activation="exp")
+    q, k, v = _rand(2, 3, 21, 8, seed=6), _rand(2, 3, 21, 8, seed=7), _rand(2, 3, 21, 2, seed=8)
+    mask = _mask(21)
+    for causal in (False, True):
+        out = est(q, k, v, causal=causal, key_padding_mask=mask)
+        qs, ks = q / 8**0.25, k / 8**0.25
+        fm = est.feature_map
+        ref = window_attention_naive(
+            qs,
+            ks,
+            v,
+            fm.query_log(qs),
+            fm.key_log(ks),
+            log_space=True,
+            window=2,
+            global_tokens=1,
+            causal=causal,
+            key_padding_mask=mask,
+        )
+        torch.testing.assert_close(out, ref, rtol=1e-11, atol=1e-12)
+
+
+def test_padding_never_reaches_an_output():
+    est = _est(3, global_tokens=2)
+    q, k, v = _rand(2, 2, 19, 8, seed=10), _rand(2, 2, 19, 8, seed=11), _rand(2, 2, 19, 3, seed=12)
+    mask = torch.zeros(2, 19, dtype=torch.bool)
+    mask[0, 12:] = True
+    mask[1, 1] = True  # a padded global token
+    out = est(q, k, v, key_padding_mask=mask)
+    k2, v2 = k.clone(), v.clone()
+    k2[0, :, 12:], v2[0, :, 12:] = float("nan"), float("inf")
+    k2[1, :, 1], v2[1, :, 1] = 1e6, float("nan")
+    torch.testing.assert_close(est(q, k2, v2, key_padding_mask=mask), out, rtol=0, atol=0)
+    # the mask matters: the same perturbation without it changes outputs
+    assert not torch.isfinite(est(q, k2, v2)).all()
+
+
+def test_future_values_never_reach_an_output_even_nan():
+    est = _est(3, global_tokens=1)
+    q, k, v = _rand(1, 2, 40, 8, seed=13), _rand(1, 2, 40, 8, seed=14), _rand(1, 2, 40, 3, seed=15)
+    full = est(q, k, v, causal=True)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 30], v2[:, :, 33] = float("nan"), float("nan")
+    out = est(q, k2, v2, causal=True)
+    torch.testing.assert_close(out[:, :, :30], full[:, :, :30], rtol=0, atol=0)
+    assert bool(out[:, :, 30:].isnan().all())  # a visible NaN key poisons, as in exact attention
+
+
+def test_causal_prefix_invariance_under_a_huge_later_key():
+    est = _est(4, global_tokens=1)
+    q, k, v = _rand(1, 2, 70, 8, seed=16), _rand(1, 2, 70, 8, seed=17), _rand(1, 2, 70, 3, seed=18)
+    k_big = k.clone()
+    k_big[:, :, 60] = 40.0  # enormous logits and log-features at a later position
+    full = est(q, k_big, v, causal=True)
+    assert bool(torch.isfinite(full).all())
+    for cut in (1, 5, 33, 60):
+        part = est(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], causal=True)
+        torch.testing.assert_close(full[:, :, :cut], part, rtol=1e-12, atol=1e-13)
+
+
+@torch.no_grad()
+def test_half_precision_and_float32():
+    est = _est(4).float()
+    q, k, v = (_rand(1, 2, 64, 8, seed=s).float() for s in (19, 20, 21))
+    ref = est(q, k, v)
+    for dtype in (torch.float16, torch.bfloat16):
+        out = est(q.to(dtype), k.to(dtype), v.to(dtype))
+        assert out.dtype == dtype
+        assert float((out.float() - ref).norm() / ref.norm()) < 3e-2
+
+
+def test_budget_accounting_and_options():
+    est = ka.create("sliding-window", window=16, num_features=64, global_tokens=1, num_heads=12, head_dim=32)
+    assert est.exact_keys() == 34 and est.budget() == 98 and est.budget(causal=True) == 81
+    assert est.feature_map.num_heads == 12 and est.feature_map.built
+    # num_heads is offered only to maps that take it; the rest ignore it
+    prf = ka.create("sliding-window", window=4, feature_map="prf", num_features=16, num_heads=12)
+    assert prf.feature_map.name == "prf" and prf.num_features == 16
+    soft = ka.create("sliding-window", num_features=8, activation="softmax")
+    assert soft.feature_map.activation == "softmax"
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({"window": -1}, "window"),
+        ({"window": 1.5}, "window"),
+        ({"global_tokens": -2}, "global_tokens"),
+        ({"window": 8, "block_size": 4}, "block_size"),
+        ({"feature_map": "no-such-map"}, "no-such-map"),
+        ({"feature_map": 3}, "feature_map"),
+        ({"num_features": 7}, "num_features"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
+def test_bad_options_are_named(options, needle):
+    with pytest.raises(Exception) as info:
+        ka.create("sliding-window", **options)
+    assert needle in str(info.value)
+
+
+def test_per_head_map_refuses_another_head_count():
+    est = _est(2, num_heads=4)
+    q = _rand(1, 3, 10, 8, seed=22)
+    with pytest.raises(InputError, match="num_heads = 4"):
+        est(q, q, q)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_memory_is_linear_in_sequence_length(causal):
+    # the largest tensor autograd saves grows like N, not N^2 (no [N, N] tensor)
+    biggest = {}
+    for n in (256, 1024):
+        sizes: list[int] = []
+
+        def pack(t: torch.Tensor, sizes: list[int] = sizes) -> torch.Tensor:
+            sizes.append(t.numel())
+            return t
+
+        q, k, v = (_rand(1, 1, n, 8, seed=s).requires_grad_() for s in (23, 24, 25))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _est(8, num_features=16)(q, k, v, causal=causal)
+        biggest[n] = max(sizes)
+    assert biggest[1024] <= 4.5 * biggest[256], biggest
