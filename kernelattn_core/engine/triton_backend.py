@@ -330,7 +330,15 @@ def _run(
 
 
 def _config(
-    dtype: torch.dtype, d: int, n: int, *, log_space: bool, causal: bool, feat: str | None, chunk_size: int | None, block_v
+    dtype: torch.dtype,
+    d: int,
+    n: int,
+    *,
+    log_space: bool,
+    causal: bool,
+    feat: str | None,
+    chunk_size: int | None,
+    block_v,
 ) -> dict:
     if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise InputError(f"v: expected float16, bfloat16, float32 or float64, got {dtype}")
