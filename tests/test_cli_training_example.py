@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "training_loop.py"
@@ -24,6 +25,9 @@ def test_training_loop_learns_with_padding_and_bf16_autocast() -> None:
     assert sum(losses[-10:]) / 10 < 0.8 * sum(losses[:10]) / 10  # it learns
 
 
+# raised by dynamo inspecting tensors while it traces, not by the example
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+@pytest.mark.filterwarnings("ignore:<class 'torch.autograd.function.Function'> should not be:DeprecationWarning")
 def test_training_loop_under_torch_compile() -> None:
     ex = _load()
     _, losses = ex.train(3, estimator="elu", compile_backend="eager", log_every=0)

@@ -94,8 +94,19 @@ def _run_two_ranks(names: list[str], out_dir: Path) -> list[dict[str, object]]:
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(rank, port, names, str(out_dir))) for rank in range(2)]
-    for p in procs:
-        p.start()
+    # the ranks unpickle this module's _worker by its name (tests.test_ddp): spawn gives them
+    # the parent's sys.path, so the repository root must be on it (an installed, non-editable
+    # package does not put it there)
+    root = str(Path(__file__).resolve().parents[1])
+    added = root not in sys.path
+    if added:
+        sys.path.insert(0, root)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if added:
+            sys.path.remove(root)
     for p in procs:
         p.join(TIMEOUT_S)
     for p in procs:  # bounded: a hung rank is stopped, never left behind

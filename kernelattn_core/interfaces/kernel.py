@@ -157,10 +157,17 @@ class DotProductKernel(Kernel):
         return [self.coefficient(n) for n in range(n_max + 1)]
 
     def check_domain(self, t: torch.Tensor) -> None:
-        """Raise :class:`~kernelattn_core.errors.DomainError` when some
-        :math:`|t| \\ge` ``radius`` (the series, and so the random features, diverge)."""
+        """Raise :class:`~kernelattn_core.errors.DomainError` when some finite
+        :math:`|t| \\ge` ``radius`` (the series, and so the random features, diverge).
+
+        A non-finite :math:`t` comes from a non-finite q or k, not from leaving the
+        domain: it is not checked here and stays in the rows that see it (as in exact
+        attention), so a NaN or inf at a later position cannot raise for a causal prefix
+        that is in range."""
         if math.isfinite(self.radius):
-            worst = float(t.detach().abs().max()) if t.numel() else 0.0
+            a = t.detach().abs()
+            a = a[torch.isfinite(a)]
+            worst = float(a.max()) if a.numel() else 0.0
             if worst >= self.radius:
                 raise DomainError(
                     f"<q, k>: kernel {self.name!r} needs |<q, k>| < {self.radius} (radius of convergence), "

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from kernelattn_core.claims.types import PositiveFeatures
 from kernelattn_core.errors import InputError
 from kernelattn_core.interfaces.feature_map import FeatureMap
 from kernelattn_core.validation import check_choice, check_positive_int
@@ -92,7 +91,7 @@ class HedgehogFeatureMap(FeatureMap):
     log_space: ClassVar[bool] = True
     has_budget: ClassVar[bool] = True
     default_num_features: ClassVar[int] = 64
-    claims: ClassVar[tuple[Any, ...]] = (PositiveFeatures(),)
+    # no PositiveFeatures claim: a log-space map is exp(.) by construction, so FM002 cannot fail (spec/claims.rst)
 
     def __init__(
         self,
