@@ -2,7 +2,9 @@
 
 Every estimator is linear in the values, so its attention rows are the output for
 one-hot values: :math:`\\hat P = \\mathrm{est}(Q, K, I_M)` (``[B, H, N, M]``), whatever
-the estimator. The teacher's rows are :math:`P = \\mathrm{softmax}(QK^\\top/\\sqrt d)`
+the estimator (:meth:`~kernelattn_core.interfaces.AttentionEstimator.attention_rows`,
+which estimators that can form the rows directly override). The teacher's rows are
+:math:`P = \\mathrm{softmax}(QK^\\top/\\sqrt d)`
 over the allowed keys. Losses (per query row, averaged):
 
 * ``"ce"``: cross-entropy :math:`-\\sum_j P_{ij} \\log \\max(\\hat P_{ij}, \\epsilon)`,
@@ -182,9 +184,9 @@ def _loss(est, layer: _Layer, i: int, rows: Any, loss: str) -> torch.Tensor:  # 
     q, k, v, kpm = layer.q[i], layer.k[i], layer.v[i], layer.kpm[i]
     p = _teacher_rows(q, k, kpm, layer.causal, rows)  # [1, H, R, M]
     if loss == "ce":
-        m = k.shape[2]
-        eye = torch.eye(m, dtype=q.dtype, device=q.device).expand(1, q.shape[1], m, m)
-        p_hat = _student_rows(est, q, k, kpm, layer.causal, rows, eye)  # [1, H, R, M]
+        # the student's rows: one-hot values by default, formed directly where the
+        # estimator can (sliding-window: O(R M (d + D)) instead of a d_v = M call)
+        p_hat = est.attention_rows(q, k, torch.as_tensor(rows), causal=layer.causal, key_padding_mask=kpm)
         log_p = torch.where(p > 0, p, torch.ones_like(p)).log()
         kl = (p * (log_p - p_hat.clamp_min(_EPS).log())).sum(-1)  # [1, H, R]
         return kl.mean()

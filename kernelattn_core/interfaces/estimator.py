@@ -107,6 +107,66 @@ class AttentionEstimator(nn.Module, ABC):
         root = math.sqrt(s)
         return self._attend(q * root, k * root, v, causal, mask)
 
+    def attention_rows(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        rows: torch.Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The estimator's attention weights of the query rows ``rows``: ``[B, H, R, M]``.
+
+        Every estimator here is linear in the values, so its weights are its output for
+        one-hot values, :math:`\\hat P = \\mathrm{est}(Q, K, I_M)`, and row :math:`i` of
+        :math:`\\hat P` is what query :math:`i` gives key :math:`j` (rows of a
+        normalised estimator sum to one). Every query enters the estimator (position-
+        aware estimators need query ``i`` at position ``i``); only the rows ``rows`` are
+        returned. Used by :func:`~kernelattn_core.convert.distill_attention` for the
+        cross-entropy fit.
+
+        The default forms :math:`\\mathrm{est}(Q, K, I_M)`: time and memory of a call with
+        :math:`d_v = M`. Estimators that can form the rows directly override
+        :meth:`_attention_rows` (``sliding-window``: :math:`O(R M (d + D))`).
+
+        Parameters
+        ----------
+        q, k : Tensor ``[B, H, N, d]``, ``[B, H, M, d]``
+        rows : Tensor of int ``[R]``
+            Query positions, each in ``[0, N)``.
+        causal, key_padding_mask
+            As in :meth:`forward`.
+        """
+        check_qkv(q, k, k)
+        mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype.is_floating_point:
+            raise InputError(f"rows: expected a 1-D integer tensor of query positions, got {rows!r}")
+        n = q.shape[2]
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
+            raise InputError(f"rows: expected positions in [0, {n}), got {int(rows.min())}..{int(rows.max())}")
+        if causal and not self.supports_causal:
+            raise InputError(f"causal: estimator {self.name!r} is non-causal only; got causal=True")
+        if q.numel() == 0 or k.numel() == 0:
+            return q.new_zeros(q.shape[0], q.shape[1], rows.numel(), k.shape[2])
+        s = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        root = math.sqrt(s)
+        return self._attention_rows(q * root, k * root, rows.to(q.device), causal, mask)
+
+    def _attention_rows(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        rows: torch.Tensor,
+        causal: bool,
+        key_padding_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Weights of the rows ``rows`` on validated, already scaled inputs (default:
+        one-hot values through :meth:`_attend`)."""
+        b, h, m = k.shape[0], k.shape[1], k.shape[2]
+        eye = torch.eye(m, dtype=k.dtype, device=k.device).expand(b, h, m, m)
+        return self._attend(q, k, eye, causal, key_padding_mask)[:, :, rows]
+
     @abstractmethod
     def _attend(
         self,

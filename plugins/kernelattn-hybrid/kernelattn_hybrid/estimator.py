@@ -16,7 +16,7 @@ from kernelattn_core.interfaces.feature_map import FeatureMap
 from kernelattn_core.redraw import RedrawPolicy
 from kernelattn_core.validation import check_positive_int
 
-from .window import window_attention_blocked
+from .window import window_attention_blocked, window_weights_rows
 
 #: smallest block length of the blocked computation (fewer, larger matmuls)
 MIN_BLOCK = 32
@@ -203,6 +203,39 @@ class SlidingWindowAttention(AttentionEstimator):
             block_size=block,
         )
         return out.to(v.dtype)
+
+    def _attention_rows(self, q, k, rows, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        # The rows' weights formed directly, O(R M (d + D)), instead of one-hot values
+        # through the blocked path (O(N M (C + D)) for a fit step). Non-finite keys are
+        # zeroed before any product, and a row that may see one is NaN, as in ``_attend``.
+        dead = ~torch.isfinite(k).all(-1)  # [B, H, M]
+        if key_padding_mask is not None:
+            dead = dead & ~key_padding_mask[:, None, :]
+        k = k.masked_fill(dead.unsqueeze(-1), 0.0)
+        fm = self.feature_map
+        if not fm.built:
+            self.redraw_policy.initial(fm, q.shape[-1])
+        self.redraw_policy.before_forward(fm, self.training)
+        fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)
+        dtype = compute_dtype(q.dtype)
+        q_rows = q[:, :, rows]
+        w = window_weights_rows(
+            q_rows.to(dtype),
+            k.to(dtype),
+            fm.raw_features(q_rows, query=True).to(dtype),
+            fm.raw_features(k, query=False).to(dtype),
+            rows,
+            log_space=fm.log_space,
+            window=self.window,
+            global_tokens=self.global_tokens,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+        )
+        self.last_backend = "rows"
+        pos = torch.arange(k.shape[-2], device=k.device)
+        sees = (pos[None, :] <= rows[:, None]) if causal else torch.ones(len(rows), len(pos), dtype=torch.bool)
+        poisoned = (dead[:, :, None, :] & sees.to(k.device)).any(-1)  # [B, H, R]
+        return w.to(q.dtype).masked_fill(poisoned.unsqueeze(-1), float("nan"))
 
     def extra_repr(self) -> str:
         return f"window={self.window}, global_tokens={self.global_tokens}, scale={self.scale}"

@@ -254,3 +254,75 @@ def _causal_prefix(
     zs, zz = torch.zeros_like(s_blk[:, :, :2]), torch.zeros_like(z_blk[:, :, :2])
     far_c = torch.cat([torch.full_like(c_end[:, :, :2], NEG), c_end[:, :, :-2]], 2)  # no far block: gate 0
     return torch.cat([zs, pre_s[:, :, :-2]], 2), torch.cat([zz, pre_z[:, :, :-2]], 2), far_c
+
+
+def window_weights_rows(
+    q_rows: torch.Tensor,
+    k: torch.Tensor,
+    phi_q_rows: torch.Tensor,
+    phi_k: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    log_space: bool,
+    window: int,
+    global_tokens: int,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """The normalised weights ``[B, H, R, M]`` of the query positions ``rows`` alone.
+
+    Row :math:`i` of the weight matrix of :func:`window_attention_blocked` (its
+    output for one-hot values), formed directly in :math:`O(R M (d + D))`: the logits
+    :math:`s_{ij}` on the exact set, the feature scores elsewhere, one stabiliser per
+    row. For log-space maps the feature score is
+    :math:`e^{a_i + c_j} \\sum_D e^{l_{q,i} - a_i} e^{l_{k,j} - c_j}` with the per-token
+    maxima :math:`a_i = \\max_D l_{q,i}`, :math:`c_j = \\max_D l_{k,j}` (the whole row is
+    formed at once, so no causal restatement is needed), and the row is scaled by
+    :math:`e^{-m_i}`, :math:`m_i` the largest exact logit or :math:`a_i + c_j` of the row.
+
+    Parameters
+    ----------
+    q_rows : Tensor ``[B, H, R, d]``
+        Scaled queries at the positions ``rows``.
+    k : Tensor ``[B, H, M, d]``
+    phi_q_rows, phi_k : Tensor ``[B, H, R, D]``, ``[B, H, M, D]``
+        Features (log-features when ``log_space``) of those queries and of every key.
+    rows : Tensor of int ``[R]``
+        Query positions.
+
+    Returns
+    -------
+    Tensor ``[B, H, R, M]``; a row with no allowed key is zero.
+    """
+    m_keys = k.shape[-2]
+    device = q_rows.device
+    i = rows.to(device)[:, None]
+    j = torch.arange(m_keys, device=device)[None, :]
+    if causal:
+        seen = j <= i
+        in_win = seen & (i - j < window)
+    else:
+        seen = torch.ones(i.shape[0], m_keys, dtype=torch.bool, device=device)
+        in_win = (i - j).abs() <= window
+    exact = (in_win | (j < global_tokens)) & seen  # [R, M]
+    allowed = seen[None, None]  # [1, 1, R, M]
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask[:, None, None, :]
+    ex = exact[None, None] & allowed
+    fe = ~exact[None, None] & allowed
+    s = (q_rows @ k.transpose(-1, -2)).masked_fill(~ex, NEG)  # [B, H, R, M]
+    if log_space:
+        a = phi_q_rows.detach().amax(-1, keepdim=True)  # [B, H, R, 1]
+        a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
+        c = phi_k.detach().amax(-1)  # [B, H, M]
+        c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+        f = (phi_q_rows - a).exp() @ (phi_k - c.unsqueeze(-1)).exp().transpose(-1, -2)  # [B, H, R, M]
+        top = (a + c.unsqueeze(-2)).masked_fill(~fe, NEG)  # [B, H, R, M]: log of the feature scale
+    else:
+        f = phi_q_rows @ phi_k.transpose(-1, -2)
+        top = torch.zeros_like(f).masked_fill(~fe, NEG)
+    m = torch.maximum(s.detach().amax(-1, keepdim=True), top.amax(-1, keepdim=True))
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows with no allowed key
+    w = (s - m).exp() + f.masked_fill(~fe, 0.0) * (top - m).exp()
+    den = w.sum(-1, keepdim=True)
+    return w / torch.where(den > 0, den, torch.ones_like(den))

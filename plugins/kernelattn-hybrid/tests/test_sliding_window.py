@@ -248,3 +248,57 @@ def test_memory_is_linear_in_sequence_length(causal):
             _est(8, num_features=16)(q, k, v, causal=causal)
         biggest[n] = max(sizes)
     assert biggest[1024] <= 4.5 * biggest[256], biggest
+
+
+# ---------------------------------------------------------------- rows of the weight matrix (fitting)
+
+
+@pytest.mark.parametrize(
+    ("window", "glob", "causal", "log_space", "padded"),
+    list(itertools.product([0, 3], [0, 2], [False, True], [True, False], [False, True])),
+)
+def test_rows_weights_are_the_naive_weight_matrix(window, glob, causal, log_space, padded):
+    from kernelattn_hybrid.window import window_weights_rows
+
+    n = 17
+    q, k, _, pq, pk = _problem(n, n, log_space=log_space)
+    mask = _mask(n) if padded else None
+    kw = dict(log_space=log_space, window=window, global_tokens=glob, causal=causal, key_padding_mask=mask)
+    eye = torch.eye(n, dtype=F64).expand(2, 3, n, n)
+    full = window_attention_naive(q, k, eye, pq, pk, **kw)  # one-hot values: the weight matrix
+    rows = torch.tensor([0, 4, 5, 16])
+    got = window_weights_rows(q[:, :, rows], k, pq[:, :, rows], pk, rows, **kw)
+    torch.testing.assert_close(got, full[:, :, rows], rtol=1e-11, atol=1e-13)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_estimator_attention_rows_match_one_hot_values_with_gradients(causal):
+    n = 40
+    q, k = _rand(1, 2, n, 8, seed=5, scale=1.5), _rand(1, 2, n, 8, seed=6, scale=1.5)
+    est = ka.create("sliding-window", window=3, num_features=6, num_heads=2, global_tokens=1).double()
+    rows = torch.tensor([1, 7, 20, 39])
+    mask = torch.zeros(1, n, dtype=torch.bool)
+    mask[0, 30:] = True
+    got = est.attention_rows(q, k, rows, causal=causal, key_padding_mask=mask)
+    eye = torch.eye(n, dtype=F64).expand(1, 2, n, n)
+    ref = est(q, k, eye, causal=causal, key_padding_mask=mask)[:, :, rows]
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    # the fit's gradients (hedgehog's weights) agree with those through the blocked path
+    g_rows = torch.autograd.grad(got.square().sum(), list(est.parameters()))
+    g_ref = torch.autograd.grad(ref.square().sum(), list(est.parameters()))
+    for a, b in zip(g_rows, g_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    assert est.last_backend == "blocked"  # the reference call ran last; the rows call did not use it
+
+
+def test_attention_rows_default_is_one_hot_values_and_validates():
+    n = 9
+    q, k = _rand(1, 2, n, 4, seed=7), _rand(1, 2, n, 4, seed=8)
+    est = ka.create("softmax")
+    rows = torch.tensor([2, 8])
+    ref = torch.softmax(q @ k.transpose(-1, -2) / 2.0, -1)[:, :, rows]
+    torch.testing.assert_close(est.attention_rows(q, k, rows), ref)
+    with pytest.raises(InputError, match="rows"):
+        est.attention_rows(q, k, torch.tensor([9]))
+    with pytest.raises(InputError, match="rows"):
+        est.attention_rows(q, k, torch.tensor([0.5]))
