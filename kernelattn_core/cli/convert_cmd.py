@@ -57,7 +57,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--option", action="append", default=[], metavar="KEY=VALUE", help="any other estimator option (repeatable)"
     )
-    p.add_argument("--fit-texts", default=None, metavar="FILE", help="fitting text (default: the shipped text)")
+    p.add_argument(
+        "--fit-texts",
+        default="fitting",
+        metavar="FILE",
+        help="fitting text: a file, 'shipped' (the shipped prose) or 'fitting' (default: the shipped prose and "
+        "the documentation of other standard-library modules than the held-out ones)",
+    )
     p.add_argument("--eval-texts", default="held-out", metavar="FILE", help="evaluation text (default: held-out)")
     p.add_argument("--steps", type=int, default=200, help="Adam steps per layer (0: no fitting)")
     p.add_argument("--lr", type=float, default=1e-2)
