@@ -166,6 +166,14 @@ def attend_features(
             key_padding_mask=key_padding_mask,
             chunk_size=chunk_size,
         )
+    if backend.name == "torch" and not torch.is_grad_enabled():
+        from .torch_backend import GROUP_BYTES, feature_attention_grouped
+
+        if q.dtype.itemsize * q.shape[0] * q.shape[1] * max(q.shape[2], k.shape[2]) * fm.feature_dim > GROUP_BYTES:
+            # long sequences without autograd: features and attention per group of positions
+            return feature_attention_grouped(
+                fm, q, k, v, causal=causal, key_padding_mask=key_padding_mask, chunk_size=chunk_size
+            )
     phi_q = fm.raw_features(q, query=True)  # [B, H, N, D]
     phi_k = fm.raw_features(k, query=False)  # [B, H, M, D]
     return backend.load()(

@@ -66,6 +66,7 @@ float16) and the caller casts the output back.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -112,6 +113,9 @@ class CausalState:
     length : int
         Number of positions consumed.
 
+    poisoned : Tensor ``[B, H]`` of bool, optional
+        Set once a non-finite key or value was consumed: every later row is NaN.
+
     ``kv`` and ``z`` are differentiable: gradients flow through a state passed to the
     next call back into the keys and values that made it.
     """
@@ -120,6 +124,9 @@ class CausalState:
     z: torch.Tensor
     m: torch.Tensor | None
     length: int
+    #: ``[B, H]``: a non-finite key or value the rows may see was consumed (every later
+    #: row is NaN, as in exact attention); ``None`` when none was
+    poisoned: torch.Tensor | None = None
 
 
 def feature_attention_torch(
@@ -181,6 +188,7 @@ def _causal(
     dv = v.shape[-1]
     drop = None if key_padding_mask is None else key_padding_mask[:, None, :]  # [B, 1, N]
     poison = None
+    carried = None if state is None else state.poisoned  # [B, H]: consumed by an earlier call
     # one reduction decides whether a non-finite value could leak through 0 * NaN
     vk = phi_k if drop is None else phi_k.masked_fill(drop.unsqueeze(-1), 0.0)
     vv = v if drop is None else v.masked_fill(drop.unsqueeze(-1), 0.0)
@@ -190,6 +198,10 @@ def _causal(
         drop = bad_k if drop is None else drop | bad_k
         phi_q = phi_q.masked_fill(bad_q.unsqueeze(-1), 0.0)
         poison = bad_k.cummax(-1).values | bad_q  # rows that legitimately see them
+        carried = bad_k.any(-1) if carried is None else carried | bad_k.any(-1)
+    if state is not None and state.poisoned is not None:  # an earlier call consumed one
+        earlier = state.poisoned[..., None].expand(b, h, n)
+        poison = earlier if poison is None else poison | earlier
     if drop is not None:
         v = v.masked_fill(drop.unsqueeze(-1), 0.0)
     fq = _query_side(phi_q, log_space)  # [B, H, N, D]
@@ -224,7 +236,7 @@ def _causal(
         num = num.masked_fill(poison.unsqueeze(-1), float("nan"))
         den = den.masked_fill(poison, float("nan"))
     length = (0 if state is None else state.length) + n
-    return num, den, CausalState(s_final[..., :dv], s_final[..., dv], m_out, length)
+    return num, den, CausalState(s_final[..., :dv], s_final[..., dv], m_out, length, carried)
 
 
 def feature_attention_step(
@@ -263,3 +275,104 @@ def feature_attention_step(
     dtype = compute_dtype(phi_q.dtype)
     phi_q, phi_k, v = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
     return _causal(phi_q, phi_k, v, log_space, key_padding_mask, chunk_size, state)
+
+
+#: bytes of one ``[B, H, G, D]`` feature block of the grouped forward. Below glibc's
+#: largest dynamic mmap threshold (32 MiB), blocks are reused from the heap; a larger
+#: tensor is fresh pages on every call, and the page faults of a few ``[B, H, N, D]``
+#: tensors made the ungrouped forward super-linear in ``N`` (measured: a 64 MiB
+#: subtraction 10x slower than in place at N = 32K, 2x at N = 4K).
+GROUP_BYTES = 8 * 2**20
+
+
+def group_length(batch_heads: int, width: int, itemsize: int, chunk: int) -> int:
+    """Positions per group: ``[B, H, G, width]`` blocks of at most :data:`GROUP_BYTES`,
+    a multiple of ``chunk`` (at least one chunk)."""
+    g = GROUP_BYTES // max(1, batch_heads * width * itemsize)
+    return max(chunk, g // chunk * chunk)
+
+
+def feature_attention_grouped(
+    feature_map: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    chunk_size: int | None = None,
+    group: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Numerator and denominator of :func:`feature_attention_torch`, computed in
+    position groups, features included (forward only: for calls without autograd).
+
+    Every feature map acts token by token, so the features of a group of positions are
+    the group's rows of the features of the whole sequence; no ``[B, H, N, D]`` tensor
+    is ever formed, and each group's work space stays in memory the allocator reuses.
+
+    * Causal: the groups run in order, each continuing the :class:`CausalState` of the
+      previous one — the same code as decoding (:func:`feature_attention_step`), so the
+      result is the one causal call's, prefix stabiliser included.
+    * Non-causal: one pass over key groups accumulates
+      :math:`S = \\sum_j \\hat\\phi_k(k_j) [v_j, 1]^\\top` stated at the running maximum
+      :math:`c` of the key log-features (restated by :math:`e^{c_{old} - c_{new}} \\le 1`
+      when it grows), then one pass over query groups forms :math:`\\hat\\phi_q(q_t)^\\top S`.
+
+    Parameters
+    ----------
+    feature_map : FeatureMap
+        Built and prepared; its ``raw_features`` are called per group.
+    q, k : Tensor ``[B, H, N, d]``, ``[B, H, M, d]``
+        Scaled queries and keys.
+    v : Tensor ``[B, H, M, dv]``
+    group : int, optional
+        Positions per group (default: :func:`group_length`).
+    """
+    fm = feature_map
+    log_space = fm.log_space
+    b, h, n, _ = q.shape
+    m_keys = k.shape[2]
+    chunk = chunk_size or DEFAULT_CHUNK
+    dtype = compute_dtype(q.dtype)
+    width = fm.feature_dim
+    g = group or group_length(b * h, width, torch.finfo(dtype).bits // 8, chunk)
+    dv = v.shape[-1]
+    num = torch.empty(b, h, n, dv, dtype=dtype, device=q.device)
+    den = torch.empty(b, h, n, dtype=dtype, device=q.device)
+    if causal:
+        state = None
+        for g0 in range(0, n, g):
+            g1 = min(n, g0 + g)
+            pq = fm.raw_features(q[:, :, g0:g1], query=True).to(dtype)
+            pk = fm.raw_features(k[:, :, g0:g1], query=False).to(dtype)
+            kpm = None if key_padding_mask is None else key_padding_mask[:, g0:g1]
+            nu, de, state = _causal(pq, pk, v[:, :, g0:g1].to(dtype), log_space, kpm, chunk, state)
+            num[:, :, g0:g1], den[:, :, g0:g1] = nu, de
+        return num, den
+    s = torch.zeros(b, h, width, dv + 1, dtype=dtype, device=q.device)
+    c_run = torch.full((b, h, 1, 1), float("-inf"), dtype=dtype, device=q.device)
+    for g0 in range(0, m_keys, g):
+        g1 = min(m_keys, g0 + g)
+        pk = fm.raw_features(k[:, :, g0:g1], query=False).to(dtype)
+        vg = v[:, :, g0:g1].to(dtype)
+        if key_padding_mask is not None:  # removed before any product, whatever they hold
+            pad = key_padding_mask[:, None, g0:g1, None]
+            vg = vg.masked_fill(pad, 0.0)
+            pk = pk.masked_fill(pad, float("-inf") if log_space else 0.0)
+        if log_space:
+            c_new = torch.maximum(c_run, pk.amax(dim=(-2, -1), keepdim=True))
+            safe = torch.where(torch.isfinite(c_new), c_new, torch.zeros_like(c_new))
+            restate = torch.where(torch.isfinite(c_run), (c_run - safe).exp(), torch.zeros_like(c_run))
+            s.mul_(restate)  # the sum so far, restated at the new maximum (factor <= 1)
+            c_run = c_new
+            fk = (pk - safe).exp_()  # entries <= 1; padded keys 0
+        else:
+            fk = pk
+        s[..., :dv] += fk.transpose(-1, -2) @ vg
+        s[..., dv] += fk.sum(-2)
+    for g0 in range(0, n, g):
+        g1 = min(n, g0 + g)
+        fq = _query_side(fm.raw_features(q[:, :, g0:g1], query=True).to(dtype), log_space)
+        out = fq @ s  # [B, H, G, dv + 1]
+        num[:, :, g0:g1], den[:, :, g0:g1] = out[..., :dv], out[..., dv]
+    return num, den

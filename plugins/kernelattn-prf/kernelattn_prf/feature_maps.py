@@ -163,8 +163,10 @@ class PositiveRandomFeatures(FeatureMap):
         proj = x @ w.mT  # [..., m]
         if self.two_sided:
             proj = torch.cat([proj, -proj], dim=-1)  # [..., 2m]
-        half_sq = 0.5 * (x * x).sum(-1, keepdim=True)  # [..., 1]
-        return proj - half_sq - 0.5 * math.log(proj.shape[-1])
+        row = (x * x).sum(-1, keepdim=True).mul_(0.5).add_(0.5 * math.log(proj.shape[-1]))  # [..., 1]
+        # in place on the fresh product (its backward needs x and w, not the product): one
+        # pass over [..., D] instead of two allocating ones
+        return proj.sub_(row)
 
     def fused_spec(self) -> FusedFeatureSpec:
         """The ``"exp"`` family: :math:`\\log\\phi = x'\\omega^\\top - \\|x'\\|^2/2 - \\tfrac12\\log D`
