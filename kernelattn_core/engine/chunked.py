@@ -190,7 +190,7 @@ class _CausalLinear(torch.autograd.Function):
         b, h, n, _ = q.shape
         tri = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
         groups = _groups(n, chunk)
-        out = q.new_zeros(b, h, n, v.shape[-1])
+        out = q.new_empty(b, h, n, v.shape[-1])  # every group writes its rows
         s_in, cur = [], s0
         for g0, g1 in groups:  # groups bound the work space; no autograd records this loop
             s_in.append(cur)
@@ -211,7 +211,7 @@ class _CausalLinear(torch.autograd.Function):
         b, h, n, d_feat = q.shape
         tri = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
         groups = _groups(n, chunk)
-        q_bar, k_bar, v_bar = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        q_bar, k_bar, v_bar = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # groups tile [0, N)
         g_out = s_bar
         for i in range(len(groups) - 1, -1, -1):  # last group first: G runs backwards
             g0, g1 = groups[i]
