@@ -302,3 +302,25 @@ def test_attention_rows_default_is_one_hot_values_and_validates():
         est.attention_rows(q, k, torch.tensor([9]))
     with pytest.raises(InputError, match="rows"):
         est.attention_rows(q, k, torch.tensor([0.5]))
+
+
+@pytest.mark.parametrize("nb", [1, 2, 3, 4, 10, 17])
+def test_causal_prefix_two_level_scan_is_the_gated_prefix_sum(nb):
+    """The far part's prefix over blocks against the quadratic formula
+    P_b = sum_{b' <= b} e^{c_{b'} - c_b} S_{b'} (a constant jump of 300 included)."""
+    from kernelattn_hybrid.window import _causal_prefix
+
+    s_blk, z_blk = _rand(2, 3, nb, 4, 5, seed=nb), _rand(2, 3, nb, 4, seed=nb + 1)
+    c = _rand(2, 3, nb, seed=nb + 2).abs().cumsum(-1)
+    c[0, 0, nb // 2 :] += 300.0
+    far_s, far_z, far_c = _causal_prefix(s_blk, z_blk, c)
+    gate = (c.unsqueeze(-2) - c.unsqueeze(-1)).masked_fill(~torch.ones(nb, nb, dtype=torch.bool).tril(), -torch.inf)
+    pre_s = torch.einsum("zhbc,zhcde->zhbde", gate.exp(), s_blk)
+    pre_z = torch.einsum("zhbc,zhcd->zhbd", gate.exp(), z_blk)
+    for b in range(nb):
+        if b < 2:
+            assert not far_s[:, :, b].any() and not far_z[:, :, b].any() and torch.isneginf(far_c[:, :, b]).all()
+        else:
+            torch.testing.assert_close(far_s[:, :, b], pre_s[:, :, b - 2], rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(far_z[:, :, b], pre_z[:, :, b - 2], rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(far_c[:, :, b], c[:, :, b - 2])
