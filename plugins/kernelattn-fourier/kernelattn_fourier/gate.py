@@ -16,13 +16,17 @@ The gate is computed from the key here (one weight vector and bias per head); Pe
 et al. compute it from the layer input :math:`x_t`, of which :math:`k_t` is a linear
 image, so the family of gates is the same up to the key projection.
 
-* :func:`gated_attention` is the fast form: chunks of ``chunk_size`` positions, the
-  quadratic form inside a chunk with decays :math:`e^{G_t - G_j} \\le 1` and the state
-  carried across chunks with decay :math:`e^{G_{\\text{end}} - G_{\\text{start}}} \\le 1`
+* :func:`gated_sums` is the fast form (numerator and denominator, divided by the
+  estimator's normaliser): chunks of ``chunk_size`` positions, the quadratic form
+  inside a chunk with decays :math:`e^{G_t - G_j} \\le 1` from cumulative log-gates and
+  the state carried across chunks with decay :math:`e^{G_{\\text{end}} - G_{\\text{start}}} \\le 1`
   (every exponent is :math:`\\le 0`, so nothing overflows however long the sequence);
-  time :math:`O(N C D d_v)`, linear in :math:`N`.
-* :func:`gated_attention_naive` is the recurrence above, one position at a time (the
-  reference).
+  time :math:`O(N C D d_v)`, linear in :math:`N`, with a Python loop over chunks only.
+  :func:`gated_attention` divides it with a sign-keeping floor.
+* :func:`gated_sums_naive` / :func:`gated_attention_naive` are the recurrence above, one
+  position at a time (the references the tests compare with, outputs and gradients).
+* :class:`Gate` is the per-head gate; the registered estimator is ``rfa-gate``
+  (:class:`~kernelattn_fourier.estimators.RFAGateAttention`), causal only.
 
 Padded keys (``key_padding_mask``) are skipped: the gate is 1 and the update 0 there,
 so the state passes through unchanged whatever the padded values are.
