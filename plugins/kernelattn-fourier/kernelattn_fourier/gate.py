@@ -256,7 +256,7 @@ class Gate(nn.Module):
         if num_heads is not None and (isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1):
             raise InputError(f"num_heads: expected a positive integer or None, got {num_heads!r}")
         if isinstance(init_bias, bool) or not isinstance(init_bias, int | float) or not math.isfinite(init_bias):
-            raise InputError(f"init_gate_bias: expected a finite number, got {init_bias!r}")
+            raise InputError(f"init_gate_bias (the gate's init_bias): expected a finite number, got {init_bias!r}")
         self.num_heads = num_heads
         rows = num_heads or 1
         self.weight = nn.Parameter(torch.zeros(rows, 0))

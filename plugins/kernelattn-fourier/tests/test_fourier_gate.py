@@ -202,3 +202,15 @@ def test_gate_refuses_another_head_count_naming_num_heads() -> None:
         gate(torch.randn(1, 3, 5, 4))
     with pytest.raises(InputError, match="head_dim"):
         gate(torch.randn(1, 2, 5, 6))
+
+
+def test_bad_gate_options_are_refused_naming_the_argument() -> None:
+    import kernelattn_core as ka
+    from kernelattn_core.errors import InputError
+
+    with pytest.raises(InputError, match="init_gate_bias"):
+        ka.create("rfa-gate", init_gate_bias=float("nan"))
+    with pytest.raises(InputError, match="num_heads"):
+        ka.create("rfa-gate", num_heads=0)
+    with pytest.raises(InputError, match="chunk_size"):
+        ka.create("rfa-gate", chunk_size=0)
