@@ -164,6 +164,13 @@ def test_default_estimators_leave_the_quadratic_ones_out() -> None:
         assert entry.kind == "feature_map" or entry.cls.linear, name
 
 
+def test_default_estimators_leave_causal_only_ones_out_of_a_bidirectional_compare() -> None:
+    pytest.importorskip("kernelattn_fourier")
+    assert "rfa-gate" not in default_estimators(causal=False)
+    assert "rfa-gate" in default_estimators(causal=True) and "rfa-gate" in default_estimators()
+    assert "rfa" in default_estimators(causal=False)
+
+
 def test_help_lists_subcommands(capsys) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(SystemExit):
         main(["--help"])

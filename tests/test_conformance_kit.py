@@ -136,3 +136,42 @@ def test_half_precision_negative_control(toys) -> None:  # type: ignore[no-untyp
     reg = toys(OverflowsInHalf)
     with pytest.raises(AssertionError, match="non-finite|relative error"):
         _run(reg, "overflows-in-half", "half_precision")
+
+
+class CausalOnlyElu(ka.FeatureMapAttention):
+    """A causal-only estimator (``supports_noncausal = False``) that refuses causal=False."""
+
+    name: ClassVar[str] = "causal-only-elu"
+    supports_noncausal: ClassVar[bool] = False
+
+    def __init__(self, **options):  # type: ignore[no-untyped-def]
+        super().__init__("elu", **options)
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        if not causal:
+            raise ka.InputError("causal: causal-only-elu is causal only; got causal=False")
+        return super()._attend(q, k, v, causal, key_padding_mask)
+
+
+class ClaimsCausalOnlyButIsNot(ka.FeatureMapAttention):
+    """Negative control: flagged causal only, yet causal=False runs (bidirectionally)."""
+
+    name: ClassVar[str] = "claims-causal-only"
+    supports_noncausal: ClassVar[bool] = False
+
+    def __init__(self, **options):  # type: ignore[no-untyped-def]
+        super().__init__("elu", **options)
+
+
+def test_a_causal_only_estimator_is_checked_causally(toys) -> None:  # type: ignore[no-untyped-def]
+    reg = toys(CausalOnlyElu)
+    cases = conformance_cases("causal-only-elu", registry=reg, claims=False)
+    assert {c.check for c in cases} >= {"attention_shapes_and_dtypes", "padding_excluded", "causal_prefix_invariance"}
+    for case in cases:
+        case.run("quick")  # each would raise InputError if the kit called it with causal=False
+
+
+def test_causal_only_flag_negative_control(toys) -> None:  # type: ignore[no-untyped-def]
+    reg = toys(ClaimsCausalOnlyButIsNot)
+    with pytest.raises(AssertionError, match="supports_noncausal=False but causal=False did not raise"):
+        _run(reg, "claims-causal-only", "causal_prefix_invariance")

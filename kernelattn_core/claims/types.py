@@ -158,12 +158,18 @@ class SymbolicExpectation(Claim):
 @dataclass(frozen=True)
 class MaclaurinCoefficients(Claim):
     """KN001: ``coefficient(n)`` equals the Taylor coefficient of ``sympy_expr`` at 0,
-    exactly (rationals), for :math:`n \\le` ``order``."""
+    exactly (rationals), for :math:`n \\le` ``order``.
+
+    ``coefficients`` (``n -> a_n``, optional) replaces the kernel's ``coefficient`` by a
+    declared table, for a negative control such as a coefficient formula as a paper
+    prints it (``label`` names it); ``None`` checks the runtime kernel."""
 
     rule: ClassVar[str] = "KN001"
     summary: ClassVar[str] = "Maclaurin coefficients equal SymPy's series exactly"
     order: int = 24
     options: Options = field(default_factory=dict)
+    coefficients: Callable[[int], Any] | None = None
+    label: str = ""
 
 
 @dataclass(frozen=True)
@@ -178,17 +184,26 @@ class NonNegativeCoefficients(Claim):
     summary: ClassVar[str] = "Maclaurin coefficients are non-negative"
     order: int = 24
     options: Options = field(default_factory=dict)
+    #: a declared table ``n -> a_n`` checked instead of the kernel's (negative controls;
+    #: the runtime log-table comparison is then skipped: the table is not the runtime's)
+    coefficients: Callable[[int], Any] | None = None
+    label: str = ""
 
 
 @dataclass(frozen=True)
 class KernelMatchesExpression(Claim):
     """KN003: the torch kernel equals its SymPy expression evaluated at 30 digits
-    (mpmath) on sample points, to ``digits`` significant digits in float64."""
+    (mpmath) on sample points, to ``digits`` significant digits in float64.
+
+    ``expression`` (``t -> sympy.Expr``, optional) replaces ``sympy_expr`` by a declared
+    function, for a negative control (``label`` names it); ``None`` checks the kernel's own."""
 
     rule: ClassVar[str] = "KN003"
     summary: ClassVar[str] = "torch kernel equals its symbolic expression"
     digits: int = 12
     options: Options = field(default_factory=dict)
+    expression: Callable[[Any], Any] | None = None
+    label: str = ""
 
 
 @dataclass(frozen=True)
@@ -225,6 +240,9 @@ class SpectralDensityIntegral(Claim):
     with :math:`p` the kernel's ``spectral_density_mp`` (the density the maps sample
     from) integrated by mpmath at ``dps`` digits, against the torch kernel on 1-D
     inputs at the offsets ``deltas``, to ``digits`` significant digits.
+
+    ``density`` (``[omega] -> mpf``, optional) replaces ``spectral_density_mp`` by a
+    declared density, for a negative control (``label`` names it).
     """
 
     rule: ClassVar[str] = "KN005"
@@ -233,6 +251,8 @@ class SpectralDensityIntegral(Claim):
     dps: int = 20
     digits: int = 10
     options: Options = field(default_factory=dict)
+    density: Callable[[list[Any]], Any] | None = None
+    label: str = ""
 
 
 @dataclass(frozen=True)
@@ -242,6 +262,10 @@ class PositiveDefinite(Claim):
     :math:`-10^{-10} \\lambda_{\\max}` (float64), on ``sets`` sets of ``size`` points per
     dimension in ``dims``, norms in ``norm_range`` (a dot-product kernel of finite
     radius :math:`R_f` uses norms up to :math:`0.9 \\sqrt{R_f}`).
+
+    ``subject`` (``() -> Kernel``, optional) builds the kernel checked instead of the
+    registered class with ``options``: a negative control's kernel that the class
+    refuses to be (``label`` names it).
     """
 
     rule: ClassVar[str] = "KN006"
@@ -251,6 +275,8 @@ class PositiveDefinite(Claim):
     sets: int = 4
     norm_range: tuple[float, float] = (0.1, 1.0)
     options: Options = field(default_factory=dict)
+    subject: Callable[[], Any] | None = None
+    label: str = ""
 
 
 # --------------------------------------------------------------------------- sampling distributions

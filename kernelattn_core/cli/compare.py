@@ -95,17 +95,21 @@ def workload(
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-def default_estimators(*, quadratic: bool = False) -> list[str]:
+def default_estimators(*, quadratic: bool = False, causal: bool | None = None) -> list[str]:
     """``exact`` (the baseline), then every estimator and feature map.
 
     Estimators whose cost is quadratic in the sequence length (``linear = False``,
-    e.g. ``ra``) are left out unless ``quadratic``; the generic ``feature-map`` wrapper
-    is always left out (every feature map is listed by its own name).
+    e.g. ``ra``) are left out unless ``quadratic``; causal-only ones
+    (``supports_noncausal = False``, e.g. ``rfa-gate``) are left out when ``causal`` is
+    ``False`` (a bidirectional comparison; ``None`` keeps them); the generic
+    ``feature-map`` wrapper is always left out (every feature map is listed by its own name).
     """
     reg = get_registry()
     names = ["exact"] if "exact" in reg.names("estimator") else []
     for e in reg.entries("estimator"):
         if e.name in ("exact", "feature-map"):
+            continue
+        if causal is False and not getattr(e.cls, "supports_noncausal", True):
             continue
         if quadratic or getattr(e.cls, "linear", True):
             names.append(e.name)
@@ -221,8 +225,8 @@ def run_compare(
     """
     if workload_name not in ("synthetic", "minilm"):
         raise ValueError(f"workload: expected 'synthetic' or 'minilm', got {workload_name!r}")
-    names = list(estimators) if estimators else default_estimators(quadratic=quadratic)
     reg = get_registry()
+    names = list(estimators) if estimators else default_estimators(quadratic=quadratic, causal=causal)
     for name in names:
         reg.get(name)  # unknown names fail early, listing the available ones
     if not seeds:

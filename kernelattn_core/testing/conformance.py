@@ -13,6 +13,10 @@ checked against behaviour (a class flagged positive never yields a non-positive
 feature), half precision (float16 and bfloat16 attention finite and close to float32), and
 every declared claim run by the verification framework at the level
 given by ``pytest --kernelattn-level quick|full`` (quick by default).
+An estimator that is causal only declares ``supports_noncausal = False`` (class data,
+read with default ``True``): the kit then calls it with ``causal=True`` and ``N == M``
+and requires ``causal=False`` to raise an :class:`~kernelattn_core.errors.InputError`
+naming ``causal``.
 :func:`fuzz_tests` adds the property-based reliability suite
 (:mod:`kernelattn_core.testing.fuzz`).
 
@@ -183,33 +187,44 @@ def _make_estimator(name: str, has_budget: bool) -> AttentionEstimator:
 def _attention_cases(entry: Entry) -> list[Case]:
     has_budget = bool(getattr(entry.cls, "has_budget", False))
     supports_causal = bool(getattr(entry.cls, "supports_causal", True))
+    # a causal-only class (``supports_noncausal = False``, e.g. a gated recurrence) is
+    # exercised causally with N == M, and must refuse causal=False with an InputError
+    noncausal = bool(getattr(entry.cls, "supports_noncausal", True))
+    mode: dict[str, bool] = {} if noncausal else {"causal": True}
+
+    def keys(m: int, n: int) -> int:
+        return m if noncausal else n
 
     def est() -> AttentionEstimator:
         torch.manual_seed(0)
         return _make_estimator(entry.name, has_budget).double().eval()
 
     def attention_shapes_and_dtypes(level: str) -> None:
-        q, k, v = _inputs(2, 2, 7, HEAD_DIM, seed=1), _inputs(2, 2, 9, HEAD_DIM, seed=2), _inputs(2, 2, 9, 3, seed=3)
+        m = keys(9, 7)
+        q, k, v = _inputs(2, 2, 7, HEAD_DIM, seed=1), _inputs(2, 2, m, HEAD_DIM, seed=2), _inputs(2, 2, m, 3, seed=3)
         e = est()
         with torch.no_grad():
-            out = e(q, k, v)
+            out = e(q, k, v, **mode)
             assert out.shape == (2, 2, 7, 3) and out.dtype == torch.float64 and torch.isfinite(out).all()
             torch.manual_seed(0)
             e32 = _make_estimator(entry.name, has_budget).eval()
-            out32 = e32(q.float(), k.float(), v.float())
+            out32 = e32(q.float(), k.float(), v.float(), **mode)
             assert out32.dtype == torch.float32 and torch.isfinite(out32).all()
 
     def padding_excluded(level: str) -> None:
-        q, k, v = _inputs(2, 2, 6, HEAD_DIM, seed=4), _inputs(2, 2, 8, HEAD_DIM, seed=5), _inputs(2, 2, 8, 3, seed=6)
+        n = keys(6, 8)
+        q, k, v = _inputs(2, 2, n, HEAD_DIM, seed=4), _inputs(2, 2, 8, HEAD_DIM, seed=5), _inputs(2, 2, 8, 3, seed=6)
         mask = torch.zeros(2, 8, dtype=torch.bool)
         mask[:, 5:] = True
+        if not noncausal:
+            mask[:, 2] = True  # a padded key that later (causal) rows would otherwise see
         e = est()
         with torch.no_grad():
-            out = e(q, k, v, key_padding_mask=mask)
+            out = e(q, k, v, key_padding_mask=mask, **mode)
             k2, v2 = k.clone(), v.clone()
-            k2[:, :, 5:] = 0.9
-            v2[:, :, 5:] = 1e3
-            torch.testing.assert_close(e(q, k2, v2, key_padding_mask=mask), out, rtol=1e-9, atol=1e-9)
+            k2[mask[:, None, :, None].expand_as(k2)] = 0.9
+            v2[mask[:, None, :, None].expand_as(v2)] = 1e3
+            torch.testing.assert_close(e(q, k2, v2, key_padding_mask=mask, **mode), out, rtol=1e-9, atol=1e-9)
 
     def causal_prefix_invariance(level: str) -> None:
         q, k, v = (
@@ -219,6 +234,13 @@ def _attention_cases(entry: Entry) -> list[Case]:
         )
         e = est()
         with torch.no_grad():
+            if not noncausal:
+                try:
+                    e(q, k, v, causal=False)
+                except InputError as exc:
+                    assert "causal" in str(exc), f"the refusal of causal=False does not name 'causal': {exc}"
+                else:
+                    raise AssertionError("supports_noncausal=False but causal=False did not raise InputError")
             if not supports_causal:
                 try:
                     e(q, k, v, causal=True)
@@ -234,15 +256,15 @@ def _attention_cases(entry: Entry) -> list[Case]:
         q, k, v = _inputs(1, 2, 6, HEAD_DIM, seed=10), _inputs(1, 2, 6, HEAD_DIM, seed=11), _inputs(1, 2, 6, 3)
         e = est()
         with torch.no_grad():
-            first = e(q, k, v)
-            assert torch.equal(e(q, k, v), first), "eval-mode outputs change between calls"
+            first = e(q, k, v, **mode)
+            assert torch.equal(e(q, k, v, **mode), first), "eval-mode outputs change between calls"
             buffer = io.BytesIO()
             torch.save(e.state_dict(), buffer)
             buffer.seek(0)
             torch.manual_seed(12345)  # a different seed: only the state dict can make them agree
             fresh = _make_estimator(entry.name, has_budget).double().eval()
             fresh.load_state_dict(torch.load(buffer))
-            assert torch.equal(fresh(q, k, v), first), "state_dict round trip changed the output"
+            assert torch.equal(fresh(q, k, v, **mode), first), "state_dict round trip changed the output"
 
     def half_precision(level: str) -> None:
         """float16 and bfloat16 inputs give finite outputs of the same dtype, close to the

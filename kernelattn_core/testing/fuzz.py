@@ -30,6 +30,9 @@ patterns:
     The catalogue :data:`BAD_INPUTS` (more than 40 kinds): each is answered by an
     :class:`~kernelattn_core.errors.InputError` whose message names the argument.
 
+A causal-only estimator (class data ``supports_noncausal = False``) is called with
+``causal=True`` and ``N == M`` by every property.
+
 A failure message starts with ``<name>: <property>:``. The CI profile (``kernelattn-ci``)
 is derandomised, so a run is reproducible; set ``KERNELATTN_FUZZ_EXAMPLES`` to explore
 more examples locally.
@@ -153,6 +156,12 @@ def _supports_causal(est: Any) -> bool:
     return bool(getattr(est, "supports_causal", True))
 
 
+def _causal_only(obj: Any) -> bool:
+    """Whether a class (or its instance) is causal only (``supports_noncausal = False``):
+    every property then calls it with ``causal=True`` and ``N == M``."""
+    return not bool(getattr(obj, "supports_noncausal", True))
+
+
 def _tensors(seed: int, b: int, h: int, n: int, m: int, d: int, dv: int, norm: float, dtype: torch.dtype):  # type: ignore[no-untyped-def]
     """``q, k [.., d]`` whose rows have scaled norm ``norm`` (norm ``norm * d**0.25`` before
     the :math:`d^{-1/4}` scaling) and ``v [.., dv]``."""
@@ -237,7 +246,7 @@ def _padding(entry: Entry) -> Callable[[], None]:
     )
     def check(seed: int, n: int, d: int, bad: float, where: str, causal: bool) -> None:
         est = make(entry).double().eval()
-        causal = causal and _supports_causal(est)
+        causal = (causal and _supports_causal(est)) or _causal_only(est)
         m = n if causal else n + 3
         q, k, v = _tensors(seed, 2, 2, n, m, d, 3, 0.5, torch.float64)
         g = torch.Generator().manual_seed(seed + 7)
@@ -270,12 +279,13 @@ def _running_stats(entry: Entry) -> Callable[[], None]:
     def check() -> None:
         q, k, v = _tensors(3, 2, 2, 6, 6, 4, 3, 0.5, torch.float32)
         est, twin = make(entry).train(), make(entry).train()
+        mode = {"causal": True} if _causal_only(est) else {}
         mask = torch.ones(2, 6, dtype=torch.bool)
         with torch.no_grad():
             for module in (est, twin):  # both see one ordinary training batch
-                module(q, k, v)
+                module(q, k, v, **mode)
             try:
-                est(q, k.masked_fill(mask[:, None, :, None], float("nan")), v, key_padding_mask=mask)
+                est(q, k.masked_fill(mask[:, None, :, None], float("nan")), v, key_padding_mask=mask, **mode)
             except InputError:
                 pass  # refusing an all-padded batch with a clear error is allowed
             except Exception as exc:
@@ -284,7 +294,7 @@ def _running_stats(entry: Entry) -> Callable[[], None]:
                 ) from exc
             est.eval()
             twin.eval()
-            out, ref = est(q, k, v), twin(q, k, v)
+            out, ref = est(q, k, v, **mode), twin(q, k, v, **mode)
         if not bool(torch.isfinite(out).all()):
             raise _fail(entry.name, prop, "after one all-padded (NaN) training batch, eval outputs are non-finite")
         # estimators that draw afresh on every training call (sampling) legitimately differ
@@ -312,7 +322,7 @@ def _finite_at_norm(entry: Entry) -> Callable[[], None]:
     )
     def check(seed: int, n: int, d: int, norm: float, dtype: torch.dtype, causal: bool) -> None:
         est = make(entry).eval()
-        causal = causal and _supports_causal(est)
+        causal = (causal and _supports_causal(est)) or _causal_only(est)
         q, k, v = _tensors(seed, 1, 2, n, n, d, 3, norm, dtype)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         what = f"{str(dtype).replace('torch.', '')}, scaled norm {norm:.3g}, d = {d}, causal={causal}"
@@ -341,7 +351,10 @@ def _empty_shapes(entry: Entry) -> Callable[[], None]:
 
     def check() -> None:
         est = make(entry).eval()
-        for b, n, m, causal in ((0, 3, 3, False), (2, 0, 3, False), (2, 3, 0, False), (2, 0, 0, True)):
+        shapes = ((0, 3, 3, False), (2, 0, 3, False), (2, 3, 0, False), (2, 0, 0, True))
+        if _causal_only(est):  # N == M, causal: the empty batch and the empty sequence
+            shapes = ((0, 3, 3, True), (2, 0, 0, True))
+        for b, n, m, causal in shapes:
             if causal and not _supports_causal(est):
                 continue
             q = torch.randn(b, 2, n, 4, requires_grad=True)
@@ -373,11 +386,12 @@ def _replica_agreement(entry: Entry) -> Callable[[], None]:
             a = make(entry, use_seed=seed, **extra).train()
             torch.manual_seed(3)
             b = make(entry, use_seed=seed, **extra).train()
+            mode = {"causal": True} if _causal_only(a) else {}
             for step in range(3):
                 torch.manual_seed(100 + step)  # the global generator moves between replicas' steps
-                out_a = a(q, k, v)
+                out_a = a(q, k, v, **mode)
                 torch.manual_seed(200 + step)
-                out_b = b(q, k, v)
+                out_b = b(q, k, v, **mode)
                 if not torch.equal(out_a, out_b):
                     gap = float((out_a - out_b).abs().max())
                     raise _fail(entry.name, prop, f"seed={seed}: replicas differ by {gap:.3g} at training step {step}")
@@ -458,12 +472,13 @@ def _qkv(b: int = 2, h: int = 2, n: int = 5, m: int = 5, d: int = 4, dv: int = 3
 
 
 def _call(**change: Any) -> Callable[[Any], Any]:
-    """A call of a built estimator with some arguments replaced."""
+    """A call of a built estimator with some arguments replaced (``causal=True`` for a
+    causal-only estimator unless the change sets ``causal``)."""
 
     def run(est: Any) -> Any:
         q, k, v = _qkv()
         args: dict[str, Any] = {"q": q, "k": k, "v": v}
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"causal": True} if _causal_only(est) else {}
         for key, value in change.items():
             value = value(q, k, v) if callable(value) else value
             (args if key in ("q", "k", "v") else kwargs)[key] = value
@@ -489,10 +504,11 @@ def _meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def _twice(est: Any) -> Any:
+    mode = {"causal": True} if _causal_only(est) else {}
     q, k, v = _qkv(d=4)
-    est(q, k, v)
+    est(q, k, v, **mode)
     q, k, v = _qkv(d=6)
-    return est(q, k, v)
+    return est(q, k, v, **mode)
 
 
 #: More than 40 kinds of bad input; each must raise InputError naming ``argument``.
@@ -575,7 +591,7 @@ def check_bad_input(entry: Entry, bad: BadInput) -> str | None:
             est = make(entry, **bad.options)
             if bad.call is None:
                 q, k, v = _qkv()
-                est(q, k, v)  # an option may only be checked on first use
+                est(q, k, v, **({"causal": True} if _causal_only(est) else {}))  # an option may be checked on first use
         else:
             est = make(entry).eval()
         if bad.call is not None:

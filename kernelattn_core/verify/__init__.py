@@ -54,6 +54,9 @@ Checker = Callable[[Entry, Any, str, dict[str, str]], CheckResult]
 
 
 def _kernel(entry: Entry, claim: Any) -> DotProductKernel:
+    subject = getattr(claim, "subject", None)  # a negative control's declared kernel (KN006)
+    if subject is not None:
+        return subject()
     return entry.cls(**dict(getattr(claim, "options", {}) or {}))
 
 

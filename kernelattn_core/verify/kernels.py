@@ -66,7 +66,7 @@ def check_closed_form(kernel: Kernel, claim: KernelClosedForm, **ids: str) -> Ch
 
 def check_spectral_integral(kernel: Any, claim: SpectralDensityIntegral, **ids: str) -> CheckResult:
     """KN005: :math:`g(\\delta) = 2\\int_0^\\infty p(\\omega)\\cos(\\omega\\delta)d\\omega` in d = 1."""
-    density = getattr(kernel, "spectral_density_mp", None)
+    density = claim.density or getattr(kernel, "spectral_density_mp", None)  # declared (a control) or the kernel's
     if density is None:
         raise TypeError(f"{type(kernel).__name__} has no spectral_density_mp(omega): KN005 needs the declared density")
     x = torch.tensor([[0.0]], dtype=torch.float64)
@@ -87,7 +87,8 @@ def check_spectral_integral(kernel: Any, claim: SpectralDensityIntegral, **ids: 
             worst = min(worst, digits_agreed(value, float(integral)))
     return CheckResult(
         SpectralDensityIntegral.rule,
-        claim=f"g(delta) == 2 int_0^inf p(w) cos(w delta) dw (d = 1) at delta in {list(claim.deltas)}",
+        claim=f"g(delta) == 2 int_0^inf p(w) cos(w delta) dw (d = 1) at delta in {list(claim.deltas)}"
+        + (f", p = {claim.label}" if claim.label else ""),
         numbers={
             "torch": [float(f"{v:.12g}") for v in got],
             "integral": [float(f"{v:.12g}") for v in values],
@@ -119,8 +120,8 @@ def check_positive_definite(kernel: Kernel, claim: PositiveDefinite, **ids: str)
     return CheckResult(
         PositiveDefinite.rule,
         claim=(
-            f"Gram matrices of {claim.sets} sets of {claim.size} points, d in {list(claim.dims)}, "
-            f"|x| in [{lo:.3g}, {hi:.3g}] are symmetric PSD"
+            f"Gram matrices{f' of {claim.label}' if claim.label else ''} on {claim.sets} sets of {claim.size} "
+            f"points, d in {list(claim.dims)}, |x| in [{lo:.3g}, {hi:.3g}] are symmetric PSD"
         ),
         numbers={
             "min_eig_over_max": float(f"{worst_ratio:.3g}"),

@@ -41,7 +41,8 @@ def check_quadrature(claim: QuadratureIdentity, **ids: str) -> CheckResult:
 def check_kernel_expression(kernel: DotProductKernel, claim: KernelMatchesExpression, **ids: str) -> CheckResult:
     """KN003: the torch ``f(t)`` equals the SymPy expression evaluated at 30 digits."""
     t = sympy.Symbol("t")
-    f = sympy.lambdify(t, kernel.sympy_expr(t), modules="mpmath")
+    expr = claim.expression(t) if claim.expression is not None else kernel.sympy_expr(t)  # declared or the kernel's
+    f = sympy.lambdify(t, expr, modules="mpmath")
     bound = 0.9 * kernel.radius if math.isfinite(kernel.radius) else 3.0
     points = [bound * (i / 10 - 1) for i in range(21)]  # -bound .. bound
     worst = math.inf
@@ -52,7 +53,7 @@ def check_kernel_expression(kernel: DotProductKernel, claim: KernelMatchesExpres
         worst = min(worst, digits_agreed(g, float(e)))
     return CheckResult(
         KernelMatchesExpression.rule,
-        claim=f"torch f(t) == {kernel.sympy_expr(t)} on |t| <= {bound:.3g}",
+        claim=f"torch f(t) == {expr}{f' ({claim.label})' if claim.label else ''} on |t| <= {bound:.3g}",
         numbers={"points": len(points), "min_digits_agreed": round(worst, 2) if math.isfinite(worst) else "all"},
         verdict=verdict(worst >= claim.digits),
         **ids,

@@ -32,10 +32,11 @@ def check_coefficients(kernel: DotProductKernel, claim: MaclaurinCoefficients, *
     """KN001: ``kernel.coefficient(n)`` equals SymPy's Taylor coefficient exactly."""
     t = sympy.Symbol("t")
     expected = taylor_coefficients(kernel.sympy_expr(t), t, claim.order)
+    coefficient = claim.coefficients or kernel.coefficient  # a declared table (negative control) or the runtime's
     mismatches = []
     inexact = []
     for n, exp in enumerate(expected):
-        got = kernel.coefficient(n)
+        got = coefficient(n)
         if not isinstance(got, Fraction | int):
             inexact.append(n)
         if sympy.simplify(as_sympy(got) - exp) != 0:
@@ -46,7 +47,7 @@ def check_coefficients(kernel: DotProductKernel, claim: MaclaurinCoefficients, *
         numbers.update({"first_bad_n": n, "sympy_a_n": exp, "plugin_a_n": got})
     return CheckResult(
         MaclaurinCoefficients.rule,
-        claim=f"a_n == Taylor coefficient of {kernel.sympy_expr(t)} for n <= {claim.order}",
+        claim=f"{claim.label or 'a_n'} == Taylor coefficient of {kernel.sympy_expr(t)} for n <= {claim.order}",
         numbers=numbers,
         verdict=verdict(not mismatches),
         **ids,
@@ -56,14 +57,15 @@ def check_coefficients(kernel: DotProductKernel, claim: MaclaurinCoefficients, *
 def check_nonnegative(kernel: DotProductKernel, claim: NonNegativeCoefficients, **ids: str) -> CheckResult:
     """KN002: every :math:`a_n \\ge 0`, and the runtime's log-coefficient table (when the
     kernel has ``log_coefficients``) equals :math:`\\log a_n` to 12 digits."""
-    coeffs = [kernel.coefficient(n) for n in range(claim.order + 1)]
+    coefficient = claim.coefficients or kernel.coefficient  # a declared table (negative control) or the runtime's
+    coeffs = [coefficient(n) for n in range(claim.order + 1)]
     negative = [n for n, a in enumerate(coeffs) if as_sympy(a) < 0]
     numbers: dict[str, Any] = {"order": claim.order, "negative_terms": len(negative)}
     if negative:
         numbers["first_negative_n"] = negative[0]
-        numbers["a_n"] = str(kernel.coefficient(negative[0]))
+        numbers["a_n"] = str(coeffs[negative[0]])
     runtime_bad: list[int] = []
-    table = getattr(kernel, "log_coefficients", None)
+    table = getattr(kernel, "log_coefficients", None) if claim.coefficients is None else None
     if callable(table):
         logs = [float(v) for v in table(claim.order)]
         for n, (a, la) in enumerate(zip(coeffs, logs)):
@@ -80,7 +82,7 @@ def check_nonnegative(kernel: DotProductKernel, claim: NonNegativeCoefficients, 
             numbers.update({"first_runtime_mismatch_n": n, "log_a_n": logs[n], "a_n_declared": str(coeffs[n])})
     return CheckResult(
         NonNegativeCoefficients.rule,
-        claim=f"a_n >= 0 for n <= {claim.order}"
+        claim=f"{claim.label or 'a_n'} >= 0 for n <= {claim.order}"
         + (" and the runtime log-coefficient table equals log a_n" if callable(table) else ""),
         numbers=numbers,
         verdict=verdict(not negative and not runtime_bad),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kernelattn_core as ka
-from kernelattn_core.testing.fuzz import PropertyFailure, fuzz_cases
+from kernelattn_core.testing.fuzz import PROPERTIES, PropertyFailure, fuzz_cases
 
 
 def _softmax(q, k, v, causal, mask, *, multiply: bool, causal_ok: bool = True, stable: bool = True):  # type: ignore[no-untyped-def]
@@ -87,10 +87,22 @@ class SequenceMeanNormalizer(ka.Normalizer):
         return q, k - k.mean(-2, keepdim=True)
 
 
+class CausalOnly(Correct):
+    """Correct, and causal only (``supports_noncausal = False``): refuses causal=False."""
+
+    name: ClassVar[str] = "ctl-causal-only"
+    supports_noncausal: ClassVar[bool] = False
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        if not causal:
+            raise ka.InputError("causal: ctl-causal-only is causal only; got causal=False")
+        return super()._attend(q, k, v, causal, key_padding_mask)
+
+
 class Plugin:
     @ka.hookimpl
     def kernelattn_estimators(self):  # type: ignore[no-untyped-def]
-        return [Correct, MultipliesMask, LeaksFuture, Overflows, IgnoresSeed, Unseeded]
+        return [Correct, MultipliesMask, LeaksFuture, Overflows, IgnoresSeed, Unseeded, CausalOnly]
 
     @ka.hookimpl
     def kernelattn_normalizers(self):  # type: ignore[no-untyped-def]
@@ -152,6 +164,13 @@ def test_a_leaking_normalizer_fails_normalizer_causal_naming_it(controls) -> Non
 )
 def test_a_correct_estimator_passes(controls, prop: str) -> None:  # type: ignore[no-untyped-def]
     assert _outcome(controls, "ctl-correct", prop) is None
+
+
+@pytest.mark.parametrize("prop", sorted(PROPERTIES))
+def test_a_causal_only_estimator_is_fuzzed_causally(controls, prop: str) -> None:  # type: ignore[no-untyped-def]
+    """Every property calls a ``supports_noncausal = False`` class with causal=True (a
+    non-causal call would raise its InputError and fail the property)."""
+    assert _outcome(controls, "ctl-causal-only", prop) is None
 
 
 def test_the_catalogue_has_at_least_40_kinds_each_naming_an_argument() -> None:

@@ -1,9 +1,9 @@
 """kernelattn-fourier: random Fourier features for shift-invariant kernels
 (``gaussian``, ``laplacian``, ``matern``; map ``rff``), trigonometric softmax features
-(``trig-softmax``) and random feature attention (``rfa``), with the ``signed-row``
+(``trig-softmax``) random feature attention (``rfa``) and its gated causal form (``rfa-gate``), with the ``signed-row``
 normaliser for estimates that can be negative."""
 
-from .estimators import RFAAttention, TrigSoftmaxAttention
+from .estimators import RFAAttention, RFAGateAttention, TrigSoftmaxAttention
 from .feature_maps import RandomFourierFeatures, RFAFeatures, TrigSoftmaxFeatures
 from .kernels import GaussianKernel, LaplacianKernel, MaternKernel, SpectralKernel
 from .normalizers import SignedRowNormalizer
@@ -15,6 +15,7 @@ __all__ = [
     "MaternKernel",
     "RFAAttention",
     "RFAFeatures",
+    "RFAGateAttention",
     "RandomFourierFeatures",
     "SignedRowNormalizer",
     "SpectralKernel",

@@ -139,6 +139,16 @@ def gaussian_closed_form_l07(x: list[Any], y: list[Any]) -> Any:
     return mp.exp(-sum((a - b) ** 2 for a, b in zip(x, y)) / (2 * mp.mpf("0.7") ** 2))
 
 
+def gaussian_density_swapped_l07(omega: list[Any]) -> Any:
+    """KN005 negative control: :math:`\\mathcal N(0, \\ell^2)` at :math:`\\ell = 0.7`, the density
+    with the lengthscale where its inverse belongs (the Gaussian kernel of lengthscale
+    :math:`\\ell` has :math:`p = \\mathcal N(0, \\ell^{-2})`)."""
+    import mpmath as mp
+
+    var = mp.mpf("0.7") ** 2
+    return (2 * mp.pi * var) ** (-mp.mpf(len(omega)) / 2) * mp.exp(-sum(w * w for w in omega) / (2 * var))
+
+
 def laplacian_closed_form(x: list[Any], y: list[Any]) -> Any:
     """KN004: :math:`\\exp(-\\|x - y\\|_1)` (lengthscale 1), the product Laplacian."""
     import mpmath as mp

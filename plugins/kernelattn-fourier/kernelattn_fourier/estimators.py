@@ -1,13 +1,22 @@
 """Estimator presets: feature-map attention with a trigonometric map and the
-``signed-row`` normaliser."""
+``signed-row`` normaliser, and the gated causal RFA (``rfa-gate``)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import ClassVar
 
+import torch
+
 from kernelattn_core import FeatureMapAttention, Normalizer
+from kernelattn_core.errors import InputError
+from kernelattn_core.interfaces import AttentionEstimator
+from kernelattn_core.lookup import resolve_class
+from kernelattn_core.redraw import RedrawPolicy
+from kernelattn_core.validation import check_key_padding_mask, check_positive_int, check_qkv
 
 from .feature_maps import RFAFeatures, TrigSoftmaxFeatures
+from .gate import Gate, gated_sums
 from .normalizers import SignedRowNormalizer
 
 
@@ -144,4 +153,181 @@ class RFAAttention(FeatureMapAttention):
             chunk_size=chunk_size,
             backend=backend,
             scale=scale,
+        )
+
+
+class RFAGateAttention(AttentionEstimator):
+    """RFA-Gate (Peng et al., 2021, §3.2, Eq. 7): causal random feature attention with a
+    learned forget gate, a recency bias.
+
+    .. math::
+        g_t = \\sigma(w_h^\\top k_t + b_h), \\qquad
+        S_t = g_t S_{t-1} + (1 - g_t)\\, \\phi(k_t) v_t^\\top, \\qquad
+        z_t = g_t z_{t-1} + (1 - g_t)\\, \\phi(k_t),
+
+    .. math::
+        \\mathrm{out}_t = \\mathrm{post}\\!\\left(\\frac{\\phi(q_t)^\\top S_t}{\\phi(q_t)^\\top z_t}\\right),
+        \\qquad S_0 = 0,\\ z_0 = 0,
+
+    with :math:`\\phi` the RFA features (:class:`~kernelattn_fourier.feature_maps.RFAFeatures`:
+    trigonometric features of unit-normalised inputs, learnable scale :math:`\\sigma_h`)
+    and the ``signed-row`` division (the trigonometric :math:`\\phi(q_t)^\\top z_t` can be
+    near zero or negative). Unrolled, query :math:`t` weighs key :math:`j \\le t` by
+    :math:`(1 - g_j) \\prod_{j < i \\le t} g_i \\; \\phi(q_t)^\\top\\phi(k_j)`.
+
+    The recurrence is computed in chunks (:func:`~kernelattn_fourier.gate.gated_sums`,
+    decays :math:`e^{G_t - G_j} \\le 1` from cumulative log-gates, a Python loop over
+    chunks only), linear in :math:`N`; :func:`~kernelattn_fourier.gate.gated_sums_naive`
+    is the per-position reference the tests compare it with.
+
+    **Causal only.** The gate orders the keys in time, so the paper defines RFA-Gate in
+    causal attention only; ``causal=False`` is refused with an
+    :class:`~kernelattn_core.errors.InputError` (``supports_noncausal = False``, which the
+    conformance kit and the fuzz suite read). **Not a softmax estimator**: the gate
+    changes the target (``consistent = False``); with :math:`g \\equiv 1` it is causal
+    ``rfa`` (without the :math:`1 - g` factor, which cancels in the ratio when constant).
+
+    Departures from the paper (documented in ``docs/departures.rst``): the gate reads the
+    scaled key :math:`k_t` instead of the layer input :math:`x_t` (:math:`k_t = W_k x_t`,
+    so the family of gates is that of :math:`x_t` restricted to the key projection's
+    row space); Peng et al. give no padding rule, here a padded position keeps the state
+    (:math:`g = 1`, no update).
+
+    Parameters
+    ----------
+    num_features : int, optional
+        Frequencies :math:`m` (default 128; feature dimension :math:`2m`).
+    num_heads : int, optional
+        One learnable scale and one gate per head (inputs with ``H = num_heads``); shared
+        by every head when ``None``.
+    init_scale : float
+        Initial :math:`\\sigma` (default 1).
+    learn_scale : bool
+        Train :math:`\\sigma` (default ``True``).
+    orthogonal : bool
+        Orthogonal (Haar) directions (default ``False``).
+    init_gate_bias : float
+        Initial gate bias :math:`b_h` (default 2: :math:`g \\approx 0.88`); the gate weight
+        starts at zero.
+    normalizer : Normalizer or str, optional
+        ``SignedRowNormalizer()`` by default.
+    head_dim : int, optional
+        Build the map and the gate now (otherwise on the first call).
+    redraw_every, seed, scale
+        As for :class:`~kernelattn_core.FeatureMapAttention`.
+    chunk_size : int
+        Positions per chunk of the causal form (default 64).
+
+    Attributes
+    ----------
+    feature_map : RFAFeatures
+    gate : Gate
+        ``weight [H, d]``, ``bias [H]`` (``H = 1`` when shared).
+    normalizer : Normalizer
+
+    Examples
+    --------
+    >>> import torch, kernelattn_core as ka
+    >>> est = ka.create("rfa-gate", num_features=32, seed=0)
+    >>> q = k = v = torch.randn(1, 2, 10, 16)
+    >>> est(q, k, v, causal=True).shape
+    torch.Size([1, 2, 10, 16])
+    """
+
+    name: ClassVar[str] = "rfa-gate"
+    unbiased: ClassVar[bool] = False
+    consistent: ClassVar[bool] = False
+    supports_causal: ClassVar[bool] = True
+    supports_noncausal: ClassVar[bool] = False
+    random: ClassVar[bool] = True
+    has_budget: ClassVar[bool] = True
+    linear: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        *,
+        num_features: int | None = None,
+        num_heads: int | None = None,
+        init_scale: float = 1.0,
+        learn_scale: bool = True,
+        orthogonal: bool = False,
+        init_gate_bias: float = 2.0,
+        normalizer: Normalizer | str | None = None,
+        head_dim: int | None = None,
+        redraw_every: int = 0,
+        seed: int | None = None,
+        chunk_size: int = 64,
+        scale: float | None = None,
+    ) -> None:
+        super().__init__(scale=scale)
+        self.feature_map = RFAFeatures(
+            num_features=num_features,
+            num_heads=num_heads,
+            init_scale=init_scale,
+            learn_scale=learn_scale,
+            orthogonal=orthogonal,
+        )
+        self.gate = Gate(None, num_heads, init_gate_bias)
+        normalizer = _normalizer(normalizer)
+        if not isinstance(normalizer, Normalizer):
+            normalizer = resolve_class(normalizer, "normalizer")()
+        self.normalizer = normalizer
+        self.redraw_policy = RedrawPolicy(redraw_every, seed)
+        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        if head_dim is not None:
+            self.redraw_policy.initial(self.feature_map, head_dim)
+            self.gate.build(head_dim)
+
+    @property
+    def num_features(self) -> int:
+        """The number of frequencies :math:`m`."""
+        return self.feature_map.num_features
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal attention output ``[B, H, N, dv]``; ``causal=False`` is refused (see the
+        class docstring)."""
+        check_qkv(q, k, v)
+        check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
+        _refuse_noncausal(causal)
+        return super().forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        _refuse_noncausal(causal)
+        out_dtype = v.dtype
+        work = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype  # sums in float32
+        q, k, v = q.to(work), k.to(work), v.to(work)
+        if key_padding_mask is not None:  # padded keys never reach the gate or the features
+            k = k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+        if "causal" in inspect.signature(self.normalizer.pre).parameters:
+            q, k = self.normalizer.pre(q, k, key_padding_mask=key_padding_mask, causal=True)
+        else:
+            q, k = self.normalizer.pre(q, k, key_padding_mask=key_padding_mask)
+        fm = self.feature_map
+        if not fm.built:
+            self.redraw_policy.initial(fm, q.shape[-1])
+        self.redraw_policy.before_forward(fm, self.training)
+        fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=True)
+        phi_q, phi_k = fm.query(q).to(work), fm.key(k).to(work)  # [B, H, N, 2m]
+        log_g = self.gate(k)  # [B, H, N]
+        self.last_backend = "torch"
+        num, den = gated_sums(phi_q, phi_k, v, log_g, key_padding_mask=key_padding_mask, chunk_size=self.chunk_size)
+        return self.normalizer.post(self.normalizer.normalize(num, den)).to(out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, chunk_size={self.chunk_size}"
+
+
+def _refuse_noncausal(causal: object) -> None:
+    if causal is False:
+        raise InputError(
+            "causal: rfa-gate is causal only (its gate is a recurrence over positions, Peng et al. 2021, Eq. 7); "
+            "got causal=False, pass causal=True"
         )

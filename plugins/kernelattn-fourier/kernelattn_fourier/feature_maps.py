@@ -362,7 +362,8 @@ class RFAFeatures(_TrigBase):
       one per head and expects inputs ``[..., H, N, d]``.
     * A zero vector is left at zero (:math:`\\hat 0 = 0`); the division uses
       :math:`\\max(\\|x\\|, \\text{tiny})`.
-    * The optional gating (RFA-Gate) of the paper is not implemented.
+    * The optional gating of the paper is the estimator ``rfa-gate``
+      (:class:`~kernelattn_fourier.estimators.RFAGateAttention`), causal only.
 
     Parameters
     ----------

@@ -16,13 +16,17 @@ The gate is computed from the key here (one weight vector and bias per head); Pe
 et al. compute it from the layer input :math:`x_t`, of which :math:`k_t` is a linear
 image, so the family of gates is the same up to the key projection.
 
-* :func:`gated_attention` is the fast form: chunks of ``chunk_size`` positions, the
-  quadratic form inside a chunk with decays :math:`e^{G_t - G_j} \\le 1` and the state
-  carried across chunks with decay :math:`e^{G_{\\text{end}} - G_{\\text{start}}} \\le 1`
+* :func:`gated_sums` is the fast form (numerator and denominator, divided by the
+  estimator's normaliser): chunks of ``chunk_size`` positions, the quadratic form
+  inside a chunk with decays :math:`e^{G_t - G_j} \\le 1` from cumulative log-gates and
+  the state carried across chunks with decay :math:`e^{G_{\\text{end}} - G_{\\text{start}}} \\le 1`
   (every exponent is :math:`\\le 0`, so nothing overflows however long the sequence);
-  time :math:`O(N C D d_v)`, linear in :math:`N`.
-* :func:`gated_attention_naive` is the recurrence above, one position at a time (the
-  reference).
+  time :math:`O(N C D d_v)`, linear in :math:`N`, with a Python loop over chunks only.
+  :func:`gated_attention` divides it with a sign-keeping floor.
+* :func:`gated_sums_naive` / :func:`gated_attention_naive` are the recurrence above, one
+  position at a time (the references the tests compare with, outputs and gradients).
+* :class:`Gate` is the per-head gate; the registered estimator is ``rfa-gate``
+  (:class:`~kernelattn_fourier.estimators.RFAGateAttention`), causal only.
 
 Padded keys (``key_padding_mask``) are skipped: the gate is 1 and the update 0 there,
 so the state passes through unchanged whatever the padded values are.
@@ -30,10 +34,13 @@ so the state passes through unchanged whatever the padded values are.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from kernelattn_core.errors import InputError
+from kernelattn_core.validation import check_positive_int
 
 
 def _guard(den: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,13 +49,106 @@ def _guard(den: torch.Tensor, eps: float) -> torch.Tensor:
     return sign * den.abs().clamp_min(eps)
 
 
-def _gates(log_g: torch.Tensor, key_padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log g, 1 - g)`` with padded positions set to ``g = 1`` (no forgetting, no update)."""
+def _skipped(log_g: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """``[B, H, N]`` (or broadcastable) bool: positions that leave the state unchanged."""
     if key_padding_mask is None:
+        return None
+    if key_padding_mask.dim() == 2:
+        return key_padding_mask[:, None, :]  # [B, 1, N]
+    return key_padding_mask  # [B, H, N]
+
+
+def _gates(log_g: torch.Tensor, skip: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log g, 1 - g)`` with skipped positions set to ``g = 1`` (no forgetting, no update)."""
+    if skip is None:
         return log_g, -torch.expm1(log_g)
-    pad = key_padding_mask[:, None, :]  # [B, 1, N]
-    log_g = log_g.masked_fill(pad, 0.0)
-    return log_g, (-torch.expm1(log_g)).masked_fill(pad, 0.0)
+    log_g = log_g.masked_fill(skip, 0.0)
+    return log_g, (-torch.expm1(log_g)).masked_fill(skip, 0.0)
+
+
+def gated_sums(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    log_g: torch.Tensor,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Numerator :math:`\\phi(q_t)^\\top S_t` and denominator :math:`\\phi(q_t)^\\top z_t`
+    of RFA-Gate (fast, chunked; no per-position Python loop).
+
+    .. math::
+        \\phi(q_t)^\\top S_t = \\sum_{j \\le t} (1 - g_j)\\, e^{G_t - G_j}\\,
+        \\phi(q_t)^\\top \\phi(k_j)\\, v_j^\\top, \\qquad G_t = \\sum_{i \\le t} \\log g_i .
+
+    Inside a chunk of :math:`C` positions the decays :math:`e^{G_t - G_j}` (:math:`j \\le t`)
+    form a :math:`C \\times C` matrix; the state carried from chunk to chunk is decayed by
+    :math:`e^{G_{\\text{end}} - G_{\\text{start}}}`. Every exponent is :math:`\\le 0`.
+
+    **Non-finite inputs.** One reduction checks that keys, values and gates are finite.
+    When some are not, the offending positions are removed from the products like padding
+    (so a ``0 * NaN`` inside a chunk cannot reach an earlier row) and the rows that see
+    them (``t >= j``) are set to NaN afterwards, as the recurrence gives them; earlier
+    rows are exactly those of the finite inputs.
+
+    Parameters
+    ----------
+    phi_q, phi_k : Tensor ``[B, H, N, D]``
+        Query and key features.
+    v : Tensor ``[B, H, N, dv]``
+    log_g : Tensor ``[B, H, N]``
+        :math:`\\log g_t \\le 0` (``logsigmoid`` of the gate logits).
+    key_padding_mask : Tensor ``[B, N]`` (bool, ``True`` = padded), optional
+        Padded positions keep the state unchanged (:math:`g = 1`, no update).
+    chunk_size : int
+
+    Returns
+    -------
+    num : Tensor ``[B, H, N, dv]``
+    den : Tensor ``[B, H, N]``
+    """
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise InputError(f"chunk_size: expected an integer >= 1, got {chunk_size!r}")
+    b, h, n, d_feat = phi_q.shape
+    dv = v.shape[-1]
+    skip = _skipped(log_g, key_padding_mask)
+    bad = ~(torch.isfinite(phi_k).all(-1) & torch.isfinite(v).all(-1) & torch.isfinite(log_g))  # [B, H, N]
+    if skip is not None:
+        bad = bad & ~skip
+    poison = None
+    if bool(bad.any()):
+        poison = bad.cumsum(-1) > 0  # [B, H, N]: rows at or after a non-finite position
+        skip = bad if skip is None else skip | bad
+    log_g, upd = _gates(log_g, skip)
+    fk = phi_k * upd.unsqueeze(-1)  # [B, H, N, D]: (1 - g_j) phi(k_j)
+    if skip is not None:
+        fk = fk.masked_fill(skip.unsqueeze(-1), 0.0)
+        v = v.masked_fill(skip.unsqueeze(-1), 0.0)
+    kv = phi_q.new_zeros(b, h, d_feat, dv)
+    z = phi_q.new_zeros(b, h, d_feat)
+    tri = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=phi_q.device).tril()
+    nums, dens = [], []
+    for start in range(0, n, chunk_size):  # a loop over chunks, not positions
+        stop = min(start + chunk_size, n)
+        c = stop - start
+        qc, kc, vc = phi_q[:, :, start:stop], fk[:, :, start:stop], v[:, :, start:stop]
+        g_cum = log_g[:, :, start:stop].cumsum(-1)  # [B, H, C]: G_t - G_{start-1}
+        gap = (g_cum.unsqueeze(-1) - g_cum.unsqueeze(-2)).masked_fill(~tri[:c, :c], float("-inf"))
+        a = (qc @ kc.transpose(-1, -2)) * gap.exp()  # [B, H, C, C]: decay e^{G_t - G_j} on j <= t
+        past = g_cum.exp()  # [B, H, C]: decay of the carried state to position t
+        nums.append(a @ vc + (qc @ kv) * past.unsqueeze(-1))
+        dens.append(a.sum(-1) + (qc @ z.unsqueeze(-1)).squeeze(-1) * past)
+        to_end = (g_cum[..., -1:] - g_cum).exp()  # [B, H, C]: e^{G_end - G_j}
+        kc_end = kc * to_end.unsqueeze(-1)
+        total = g_cum[..., -1].exp()  # [B, H]
+        kv = kv * total[..., None, None] + kc_end.transpose(-1, -2) @ vc
+        z = z * total[..., None] + kc_end.sum(-2)
+    num, den = torch.cat(nums, dim=2), torch.cat(dens, dim=2)
+    if poison is not None:
+        num = num.masked_fill(poison.unsqueeze(-1), float("nan"))
+        den = den.masked_fill(poison, float("nan"))
+    return num, den
 
 
 def gated_attention(
@@ -61,7 +161,8 @@ def gated_attention(
     chunk_size: int = 64,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """Causal gated feature attention (fast, chunked).
+    """Causal gated feature attention (fast, chunked): :func:`gated_sums` divided with a
+    sign-keeping floor ``eps`` on the denominator's magnitude.
 
     Parameters
     ----------
@@ -79,36 +180,40 @@ def gated_attention(
     -------
     Tensor ``[B, H, N, dv]``
     """
-    if chunk_size < 1:
-        raise InputError(f"chunk_size: expected an integer >= 1, got {chunk_size!r}")
+    num, den = gated_sums(phi_q, phi_k, v, log_g, key_padding_mask=key_padding_mask, chunk_size=chunk_size)
+    return num / _guard(den, eps).unsqueeze(-1)
+
+
+def gated_sums_naive(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    log_g: torch.Tensor,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence of RFA-Gate, one position at a time (the reference for tests):
+    :math:`S_t = g_t S_{t-1} + (1 - g_t)\\phi(k_t) v_t^\\top`,
+    :math:`z_t = g_t z_{t-1} + (1 - g_t)\\phi(k_t)`, returning
+    :math:`(\\phi(q_t)^\\top S_t, \\phi(q_t)^\\top z_t)` ``[B, H, N, dv]``, ``[B, H, N]``.
+    A padded position keeps the state: :math:`S_t = S_{t-1}`."""
     b, h, n, d_feat = phi_q.shape
-    dv = v.shape[-1]
-    log_g, upd = _gates(log_g, key_padding_mask)
-    fk = phi_k * upd.unsqueeze(-1)  # [B, H, N, D]: (1 - g_j) phi(k_j), 0 on padding
-    if key_padding_mask is not None:
-        fk = fk.masked_fill(key_padding_mask[:, None, :, None], 0.0)
-        v = v.masked_fill(key_padding_mask[:, None, :, None], 0.0)
-    kv = phi_q.new_zeros(b, h, d_feat, dv)
+    s = phi_q.new_zeros(b, h, d_feat, v.shape[-1])
     z = phi_q.new_zeros(b, h, d_feat)
-    tri = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=phi_q.device).tril()
-    outs = []
-    for start in range(0, n, chunk_size):
-        stop = min(start + chunk_size, n)
-        c = stop - start
-        qc, kc, vc = phi_q[:, :, start:stop], fk[:, :, start:stop], v[:, :, start:stop]
-        g_cum = log_g[:, :, start:stop].cumsum(-1)  # [B, H, C]: G_t - G_{start-1}
-        gap = (g_cum.unsqueeze(-1) - g_cum.unsqueeze(-2)).masked_fill(~tri[:c, :c], float("-inf"))
-        a = (qc @ kc.transpose(-1, -2)) * gap.exp()  # [B, H, C, C]: decay e^{G_t - G_j} on j <= t
-        past = g_cum.exp()  # [B, H, C]: decay of the carried state to position t
-        num = a @ vc + (qc @ kv) * past.unsqueeze(-1)
-        den = a.sum(-1) + (qc @ z.unsqueeze(-1)).squeeze(-1) * past
-        outs.append(num / _guard(den, eps).unsqueeze(-1))
-        to_end = (g_cum[..., -1:] - g_cum).exp()  # [B, H, C]: e^{G_end - G_j}
-        kc_end = kc * to_end.unsqueeze(-1)
-        total = g_cum[..., -1].exp()  # [B, H]
-        kv = kv * total[..., None, None] + kc_end.transpose(-1, -2) @ vc
-        z = z * total[..., None] + kc_end.sum(-2)
-    return torch.cat(outs, dim=2)
+    nums, dens = [], []
+    for t in range(n):
+        g_t = log_g[:, :, t].exp()  # [B, H]
+        s_new = g_t[..., None, None] * s + (1 - g_t)[..., None, None] * phi_k[:, :, t, :, None] * v[:, :, t, None, :]
+        z_new = g_t[..., None] * z + (1 - g_t)[..., None] * phi_k[:, :, t]
+        if key_padding_mask is not None:
+            keep = ~key_padding_mask[:, t, None]  # [B, 1]
+            s = torch.where(keep[..., None, None], s_new, s)
+            z = torch.where(keep[..., None], z_new, z)
+        else:
+            s, z = s_new, z_new
+        nums.append((phi_q[:, :, t].unsqueeze(-2) @ s).squeeze(-2))  # [B, H, dv]
+        dens.append((phi_q[:, :, t] * z).sum(-1))  # [B, H]
+    return torch.stack(nums, dim=2), torch.stack(dens, dim=2)
 
 
 def gated_attention_naive(
@@ -120,43 +225,75 @@ def gated_attention_naive(
     key_padding_mask: torch.Tensor | None = None,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """The recurrence of RFA-Gate, one position at a time (reference for tests)."""
-    b, h, n, d_feat = phi_q.shape
-    log_g, upd = _gates(log_g, key_padding_mask)
-    g = log_g.exp()
-    s = phi_q.new_zeros(b, h, d_feat, v.shape[-1])
-    z = phi_q.new_zeros(b, h, d_feat)
-    outs = []
-    for t in range(n):
-        k_t, v_t = phi_k[:, :, t], v[:, :, t]
-        if key_padding_mask is not None:
-            keep = (~key_padding_mask[:, t])[:, None, None]
-            k_t, v_t = torch.where(keep, k_t, 0.0), torch.where(keep, v_t, 0.0)
-        s = g[:, :, t, None, None] * s + upd[:, :, t, None, None] * k_t.unsqueeze(-1) * v_t.unsqueeze(-2)
-        z = g[:, :, t, None] * z + upd[:, :, t, None] * k_t
-        num = (phi_q[:, :, t].unsqueeze(-2) @ s).squeeze(-2)  # [B, H, dv]
-        den = (phi_q[:, :, t] * z).sum(-1)  # [B, H]
-        outs.append(num / _guard(den, eps).unsqueeze(-1))
-    return torch.stack(outs, dim=2)
+    """:func:`gated_sums_naive` divided as :func:`gated_attention` divides (reference for tests)."""
+    num, den = gated_sums_naive(phi_q, phi_k, v, log_g, key_padding_mask=key_padding_mask)
+    return num / _guard(den, eps).unsqueeze(-1)
 
 
 class Gate(nn.Module):
-    """Per-head gate :math:`\\log g_t = \\log\\sigma(w_h^\\top k_t + b_h)`.
+    """Per-head forget gate :math:`\\log g_t = \\log\\sigma(w_h^\\top k_t + b_h)`.
 
     Parameters
     ----------
-    head_dim : int
-    num_heads : int
+    head_dim : int, optional
+        :math:`d`; when ``None`` the weight is made on the first call (zeros, so the
+        gate starts at the constant :math:`\\sigma(b_h)` whatever ``d``), or from a loaded
+        state dict. Pass it to have the weight before an optimiser is made.
+    num_heads : int, optional
+        One gate per head (inputs ``[B, H, N, d]`` with ``H = num_heads``); one gate
+        shared by every head when ``None``.
     init_bias : float
         Initial :math:`b_h` (2.0 by default: :math:`g \\approx 0.88`, slow forgetting).
+
+    Attributes
+    ----------
+    weight : Parameter ``[H, d]`` (``[1, d]`` when shared; ``[H, 0]`` until built)
+    bias : Parameter ``[H]`` (``[1]`` when shared)
     """
 
-    def __init__(self, head_dim: int, num_heads: int, init_bias: float = 2.0) -> None:
+    def __init__(self, head_dim: int | None = None, num_heads: int | None = None, init_bias: float = 2.0) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(num_heads, head_dim))
-        self.bias = nn.Parameter(torch.full((num_heads,), float(init_bias)))
+        if num_heads is not None and (isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1):
+            raise InputError(f"num_heads: expected a positive integer or None, got {num_heads!r}")
+        if isinstance(init_bias, bool) or not isinstance(init_bias, int | float) or not math.isfinite(init_bias):
+            raise InputError(f"init_gate_bias (the gate's init_bias): expected a finite number, got {init_bias!r}")
+        self.num_heads = num_heads
+        rows = num_heads or 1
+        self.weight = nn.Parameter(torch.zeros(rows, 0))
+        self.bias = nn.Parameter(torch.full((rows,), float(init_bias)))
+        self.register_load_state_dict_pre_hook(_build_gate_before_load)
+        if head_dim is not None:
+            self.build(head_dim)
+
+    @property
+    def head_dim(self) -> int | None:
+        """:math:`d` once built, else ``None``."""
+        return self.weight.shape[1] or None
+
+    def build(self, head_dim: int) -> None:
+        """Make the weight ``[H, head_dim]`` (zeros); a built gate refuses another ``d``."""
+        head_dim = check_positive_int("head_dim", head_dim)
+        if self.head_dim is not None:
+            if head_dim != self.head_dim:
+                raise InputError(f"head_dim: the rfa-gate gate was built for d = {self.head_dim}, got d = {head_dim}")
+            return
+        like = self.bias
+        self.weight = nn.Parameter(torch.zeros(like.shape[0], head_dim, dtype=like.dtype, device=like.device))
 
     def forward(self, k: torch.Tensor) -> torch.Tensor:
         """``k [B, H, N, d]`` to ``log g [B, H, N]``."""
-        logits = (k * self.weight.to(k.dtype)[None, :, None, :]).sum(-1) + self.bias.to(k.dtype)[None, :, None]
+        if self.num_heads is not None and k.shape[1] != self.num_heads:
+            raise InputError(
+                f"num_heads: the gate was built with num_heads = {self.num_heads}, got inputs with H = {k.shape[1]}"
+            )
+        self.build(k.shape[-1])
+        w = self.weight.to(k.dtype)[None, :, None, :]  # [1, H or 1, 1, d]
+        logits = (k * w).sum(-1) + self.bias.to(k.dtype)[None, :, None]  # [B, H, N]
         return nn.functional.logsigmoid(logits)
+
+
+def _build_gate_before_load(module: Gate, state_dict: dict, prefix: str, *args: object) -> None:
+    """Load-state-dict pre-hook: an unbuilt gate takes the saved weight's shape first."""
+    saved = state_dict.get(prefix + "weight")
+    if module.head_dim is None and isinstance(saved, torch.Tensor) and saved.dim() == 2 and saved.shape[1] > 0:
+        module.build(int(saved.shape[1]))

@@ -452,6 +452,13 @@ GaussianKernel.claims = (
     # negative control: the lengthscale-1 formula against the lengthscale-0.7 kernel
     KernelClosedForm(expression=_claims.gaussian_closed_form, options={"lengthscale": 0.7}, expect="fail"),
     SpectralDensityIntegral(options={"lengthscale": 0.7}),
+    # negative control: the density with l and 1/l swapped, against the lengthscale-0.7 kernel
+    SpectralDensityIntegral(
+        options={"lengthscale": 0.7},
+        density=_claims.gaussian_density_swapped_l07,
+        label="N(0, l^2) (l and 1/l swapped)",
+        expect="fail",
+    ),
 )
 LaplacianKernel.claims = (
     KernelClosedForm(expression=_claims.laplacian_closed_form),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kernelattn_core import hookimpl
 
-from .estimators import RFAAttention, TrigSoftmaxAttention
+from .estimators import RFAAttention, RFAGateAttention, TrigSoftmaxAttention
 from .feature_maps import RandomFourierFeatures, RFAFeatures, TrigSoftmaxFeatures
 from .kernels import GaussianKernel, LaplacianKernel, MaternKernel
 
@@ -21,4 +21,4 @@ def kernelattn_feature_maps() -> list[type]:
 
 @hookimpl
 def kernelattn_estimators() -> list[type]:
-    return [TrigSoftmaxAttention, RFAAttention]
+    return [TrigSoftmaxAttention, RFAAttention, RFAGateAttention]

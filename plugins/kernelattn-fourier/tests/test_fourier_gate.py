@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernelattn_fourier.gate import Gate, gated_attention, gated_attention_naive
+from kernelattn_fourier.gate import Gate, gated_attention, gated_attention_naive, gated_sums
 
 
 def _inputs(b: int = 2, h: int = 2, n: int = 11, d: int = 6, dv: int = 3, seed: int = 0):  # type: ignore[no-untyped-def]
@@ -67,3 +67,150 @@ def test_gate_module_shapes_and_training() -> None:
     phi_q, phi_k, v, _ = (t.float() for t in _inputs(n=5))
     gated_attention(phi_q, phi_k, v, log_g).sum().backward()
     assert gate.weight.grad is not None and gate.bias.grad is not None
+
+
+# --------------------------------------------------------------------------- the registered estimator
+def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a - b).norm() / b.norm().clamp_min(1e-300)).detach())
+
+
+def _gated_estimator(**options):  # type: ignore[no-untyped-def]
+    """``rfa-gate`` in float64 with a gate that varies by position (random weight)."""
+    import kernelattn_core as ka
+
+    options = {"num_features": 8, "num_heads": 2, "head_dim": 6, "seed": 3, "init_gate_bias": 0.5, **options}
+    est = ka.create("rfa-gate", **options).double()
+    with torch.no_grad():
+        est.gate.weight.copy_(torch.randn(est.gate.weight.shape, generator=torch.Generator().manual_seed(9)))
+    return est
+
+
+def _reference(est, q, k, v, mask):  # type: ignore[no-untyped-def]
+    """The estimator written out: d^{-1/4} scaling, features, gate, the per-position
+    recurrence (gated_sums_naive) and the signed-row division."""
+    from kernelattn_fourier.gate import gated_sums_naive
+
+    root = q.shape[-1] ** -0.25
+    q, k = q * root, k * root
+    if mask is not None:
+        k = torch.where(mask[:, None, :, None], torch.zeros_like(k), k)
+    num, den = gated_sums_naive(est.feature_map.query(q), est.feature_map.key(k), v, est.gate(k), key_padding_mask=mask)
+    return est.normalizer.normalize(num, den)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 64])
+def test_estimator_equals_the_per_position_recurrence_on_outputs_and_gradients(chunk_size: int) -> None:
+    est = _gated_estimator(chunk_size=chunk_size)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, 13, s, generator=g, dtype=torch.float64, requires_grad=True) for s in (6, 6, 3))
+    mask = torch.zeros(2, 13, dtype=torch.bool)
+    mask[0, 3], mask[1, 10:] = True, True
+    fast = est(q, k, v, causal=True, key_padding_mask=mask)
+    ref = _reference(est, q, k, v, mask)
+    print("max abs difference", float((fast - ref).detach().abs().max()))
+    assert _rel_rms(fast, ref) < 1e-12
+    params = [q, k, v, est.gate.weight, est.gate.bias, est.feature_map.log_scale]
+    w = torch.randn(fast.shape, generator=g, dtype=torch.float64)
+    grads_fast = torch.autograd.grad((fast * w).sum(), params)
+    grads_ref = torch.autograd.grad((ref * w).sum(), params)
+    for name, a, b in zip(("q", "k", "v", "gate.weight", "gate.bias", "log_scale"), grads_fast, grads_ref):
+        assert float(b.abs().max()) > 0, name  # the gradient reaches every input and parameter
+        assert _rel_rms(a, b) < 1e-10, (name, float((a - b).abs().max()))
+
+
+def test_estimator_gradcheck_float64() -> None:
+    est = _gated_estimator(num_features=3, num_heads=None, head_dim=3, chunk_size=2)
+    g = torch.Generator().manual_seed(2)
+    args = [torch.randn(1, 1, 5, s, generator=g, dtype=torch.float64, requires_grad=True) for s in (3, 3, 2)]
+    assert torch.autograd.gradcheck(lambda q, k, v: est(q, k, v, causal=True), args)
+
+
+def test_estimator_refuses_non_causal_mode_naming_causal() -> None:
+    from kernelattn_core.errors import InputError
+
+    est = _gated_estimator()
+    q = torch.randn(1, 2, 4, 6, dtype=torch.float64)
+    for args in ((q, q, q[..., :3]), (q[:0], q[:0], q[:0, ..., :3])):  # empty shapes too
+        with pytest.raises(InputError, match="causal: rfa-gate is causal only"):
+            est(*args)
+    assert est.supports_noncausal is False and est.supports_causal is True
+
+
+def test_an_open_gate_is_causal_rfa() -> None:
+    """g -> 1 everywhere: the constant 1 - g cancels in the ratio and rfa-gate is causal
+    ``rfa`` with the same draws (computed by the core engine, an independent path)."""
+    import kernelattn_core as ka
+
+    gated = ka.create("rfa-gate", num_features=16, seed=5, init_gate_bias=30.0).double()  # 1 - g = 9e-14
+    plain = ka.create("rfa", num_features=16, seed=5).double()
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 2, 70, s, generator=g, dtype=torch.float64) for s in (8, 8, 3))
+    out = gated(q, k, v, causal=True)
+    ref = plain(q, k, v, causal=True)
+    assert _rel_rms(out, ref) < 1e-9
+    closed = ka.create("rfa-gate", num_features=16, seed=5, init_gate_bias=-3.0).double()
+    assert _rel_rms(closed(q, k, v, causal=True), ref) > 0.1  # the gate changes the output
+
+
+def test_a_closed_gate_returns_the_current_value() -> None:
+    """g -> 0: only the current token survives; with q = k the features' inner product is
+    1 (sin^2 + cos^2), so the output is v_t exactly (row division)."""
+    import kernelattn_core as ka
+
+    est = ka.create("rfa-gate", num_features=16, seed=5, init_gate_bias=-60.0, normalizer="row").double()
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 2, 9, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 2, 9, 3, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(est(q, q, v, causal=True), v, rtol=1e-10, atol=1e-12)
+
+
+def test_non_finite_later_positions_poison_only_later_rows() -> None:
+    """A NaN value at position 5 reaches rows >= 5 (as the recurrence gives) and no earlier row,
+    even inside one chunk where a 0 * NaN product would leak it."""
+    from kernelattn_fourier.gate import gated_sums, gated_sums_naive
+
+    phi_q, phi_k, v, log_g = _inputs(n=9)
+    base = gated_sums(phi_q, phi_k, v, log_g, chunk_size=64)
+    v2 = v.clone()
+    v2[0, 1, 5] = float("nan")
+    num, _ = gated_sums(phi_q, phi_k, v2, log_g, chunk_size=64)
+    torch.testing.assert_close(num[0, 1, :5], base[0][0, 1, :5], rtol=0, atol=0)
+    assert bool(num[0, 1, 5:].isnan().all()) and bool(torch.isfinite(num[1]).all() and torch.isfinite(num[0, 0]).all())
+    ref_num, _ = gated_sums_naive(phi_q, phi_k, v2, log_g)
+    assert torch.equal(ref_num.isnan(), num.isnan())
+
+
+def test_the_fast_path_has_no_per_position_autograd_loop() -> None:
+    """The autograd graph grows with the number of chunks, not of positions."""
+    phi_q, phi_k, v, log_g = (t.requires_grad_() for t in _inputs(b=1, h=1, n=256, d=4, dv=2))
+    num, _ = gated_sums(phi_q, phi_k, v, log_g, chunk_size=64)
+    seen, todo = set(), [num.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo += [f for f, _ in node.next_functions]
+    assert len(seen) < 256, f"{len(seen)} autograd nodes for 256 positions"
+
+
+def test_gate_refuses_another_head_count_naming_num_heads() -> None:
+    from kernelattn_core.errors import InputError
+
+    gate = Gate(head_dim=4, num_heads=2)
+    with pytest.raises(InputError, match="num_heads"):
+        gate(torch.randn(1, 3, 5, 4))
+    with pytest.raises(InputError, match="head_dim"):
+        gate(torch.randn(1, 2, 5, 6))
+
+
+def test_bad_gate_options_are_refused_naming_the_argument() -> None:
+    import kernelattn_core as ka
+    from kernelattn_core.errors import InputError
+
+    with pytest.raises(InputError, match="init_gate_bias"):
+        ka.create("rfa-gate", init_gate_bias=float("nan"))
+    with pytest.raises(InputError, match="num_heads"):
+        ka.create("rfa-gate", num_heads=0)
+    with pytest.raises(InputError, match="chunk_size"):
+        ka.create("rfa-gate", chunk_size=0)

@@ -456,6 +456,44 @@ PAPER_TABLE_1: dict[str, Callable[[int], Fraction]] = {
     "sqrt": _paper_sqrt,
 }
 
+
+def _declare_negative_controls() -> None:
+    """Attach the declared negative controls (:mod:`kernelattn_maclaurin.controls`) to the
+    kernels' claims, so ``kernelattn verify`` shows KN001, KN002, KN003 and KN006 failing
+    as expected."""
+    from kernelattn_core.claims import PositiveDefinite
+
+    from . import controls
+
+    SqrtKernel.claims = (
+        *_KERNEL_CLAIMS,
+        MaclaurinCoefficients(
+            order=24,
+            coefficients=controls.printed_sqrt_coefficient,
+            label="Table 1's printed sqrt a_N = max(1, 2N-3)/(2^N N!)",
+            expect="fail",
+        ),
+    )
+    LogiKernel.claims = (
+        *_KERNEL_CLAIMS,
+        KernelMatchesExpression(
+            expression=controls.printed_logi_expression,
+            label="the sum of Table 1's printed logi a_N = 1/min(1, N)",
+            expect="fail",
+        ),
+    )
+    PolynomialKernel.claims = (
+        *PolynomialKernel.claims,
+        PositiveDefinite(),  # the implied claim, declared since a PositiveDefinite control is declared
+        NonNegativeCoefficients(
+            order=24, coefficients=controls.negative_offset_coefficient, label="a_n of (t - 1)^3", expect="fail"
+        ),
+        PositiveDefinite(subject=controls.NegativeOffsetPolynomial, label="(t - 1)^3", expect="fail"),
+    )
+
+
+_declare_negative_controls()
+
 KERNELS: tuple[type[MaclaurinKernel], ...] = (
     ExpKernel,
     InvKernel,

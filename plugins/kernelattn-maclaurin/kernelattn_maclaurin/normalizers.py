@@ -11,6 +11,8 @@ from kernelattn_core import Normalizer
 from kernelattn_core.errors import InputError
 
 STATS = ("token", "batch")
+#: post-scaling forms: Algorithm 1's gamma * a^beta, the §3.2 operator (gamma a)^beta, gamma * a
+POST_FORMS = ("gamma_pow", "pow_gamma", "gamma_only")
 
 
 class PPSBN(Normalizer):
@@ -40,17 +42,32 @@ class PPSBN(Normalizer):
     A row that is constant (so :math:`x' = 0`) becomes the zero row instead of the
     code's 0/0 NaN.
 
-    **Post-scaling** of the attention output :math:`a` (``[B, H, N, dv]``):
+    **Post-scaling** of the attention output :math:`a` (``[B, H, N, dv]``), with learnable
+    :math:`\\gamma` and :math:`\\beta` (initialised to 1: the identity), in one of the
+    paper's two forms (``post_form``):
 
-    .. math:: \\mathrm{post}(a) = \\gamma \\cdot \\mathrm{sign}(a)\\,|a|^{\\beta}
+    .. math::
+        \\texttt{"gamma\\_pow"}: \\ \\gamma \\cdot \\mathrm{sign}(a)\\,|a|^{\\beta}
+        \\quad\\text{(Algorithm 1, the default)}, \\qquad
+        \\texttt{"pow\\_gamma"}: \\ \\mathrm{sign}(\\gamma a)\\,|\\gamma a|^{\\beta}
+        \\quad\\text{(§3.2, } \\overleftarrow{\\mathrm{SBN}}(X; \\gamma, \\beta) = (\\gamma X)^\\beta),
 
-    with learnable :math:`\\gamma` and :math:`\\beta` (initialised to 1: the identity).
-    The signed power makes negative outputs well defined (Algorithm 1's
-    :math:`a^\\beta` is NaN for :math:`a < 0` and non-integer :math:`\\beta`);
-    :math:`|a|` is clamped at the smallest normal number inside the power so the
-    gradient in :math:`\\beta` (:math:`\\propto \\log|a|`) stays finite at :math:`a = 0`.
-    ``power=False`` switches :math:`\\beta` off (:math:`\\gamma a`, as in the released
-    LRA code).
+    or ``"gamma_only"``, :math:`\\gamma a` (the released LRA code, which comments the power
+    out; ``power=False`` is the same). The paper states both power forms (SchoenbAt spec
+    §1.6 and erratum 8): Algorithm 1 and the Theorem 2 proof use :math:`\\gamma \\cdot a^\\beta`,
+    the operator definition of §3.2 uses :math:`(\\gamma X)^\\beta`. For :math:`\\gamma > 0` they
+    span the same family (:math:`(\\gamma a)^\\beta = \\gamma^\\beta a^\\beta`) but differ in
+    parametrisation, gradients and, for :math:`\\gamma < 0`, in sign: with ``"pow_gamma"``
+    the sign of the output is that of :math:`\\gamma a`.
+
+    **Where this departs from the paper, and why.** Both printed powers are NaN for a
+    negative base and non-integer :math:`\\beta`, and :math:`a` is signed (the values are),
+    so the power is the signed power :math:`\\mathrm{sign}(x)|x|^\\beta` (odd extension; equal
+    to the printed form wherever that is defined), with :math:`|x|` clamped at the
+    smallest normal number inside the power so the gradient in :math:`\\beta`
+    (:math:`\\propto \\log|x|`) stays finite at :math:`x = 0`. The default stays Algorithm 1
+    (the form the theorems and the authors' top-level code use) so trained models keep
+    their meaning; ``post_form="pow_gamma"`` gives the §3.2 operator.
 
     Parameters
     ----------
@@ -62,7 +79,11 @@ class PPSBN(Normalizer):
         say 1e-13).
     stats : {"token", "batch"}
     power : bool
-        Learn :math:`\\beta` (the signed power); ``False`` gives :math:`\\gamma a`.
+        Learn :math:`\\beta` (the signed power); ``False`` gives :math:`\\gamma a`
+        (``post_form="gamma_only"``).
+    post_form : {"gamma_pow", "pow_gamma", "gamma_only"}, optional
+        The post-scaling form (above); ``"gamma_pow"`` when ``None`` (``"gamma_only"`` with
+        ``power=False``).
     channels : int, optional
         Per-channel :math:`\\gamma, \\beta` of shape ``[channels]`` (``dv``); scalars by default.
     row_scale : float, optional
@@ -71,7 +92,8 @@ class PPSBN(Normalizer):
     Attributes
     ----------
     gamma : Parameter ``[]`` or ``[channels]``
-    beta : Parameter ``[]`` or ``[channels]`` (absent when ``power=False``)
+    beta : Parameter ``[]`` or ``[channels]`` (``None`` for ``"gamma_only"``)
+    post_form : str
     """
 
     name: ClassVar[str] = "ppsbn"
@@ -88,8 +110,17 @@ class PPSBN(Normalizer):
         power: bool = True,
         channels: int | None = None,
         row_scale: float | None = None,
+        post_form: str | None = None,
     ) -> None:
         super().__init__(eps)
+        if post_form is not None and post_form not in POST_FORMS:
+            raise InputError(f"post_form: expected one of {list(POST_FORMS)} or None, got {post_form!r}")
+        if not isinstance(power, bool):
+            raise InputError(f"power: expected a bool, got {power!r}")
+        if not power and post_form not in (None, "gamma_only"):
+            raise InputError(f"power: power=False has no beta, but post_form={post_form!r} raises to beta")
+        if post_form is None:
+            post_form = "gamma_pow" if power else "gamma_only"
         if stats not in STATS:
             raise InputError(f"stats: expected one of {list(STATS)}, got {stats!r}")
         if not (isinstance(bn_eps, int | float) and bn_eps >= 0):
@@ -100,7 +131,8 @@ class PPSBN(Normalizer):
             raise InputError(f"row_scale: expected a positive number or None (d^(-1/4)), got {row_scale!r}")
         self.bn_eps = float(bn_eps)
         self.stats = stats
-        self.power = bool(power)
+        self.post_form = post_form
+        self.power = post_form != "gamma_only"
         self.channels = channels
         self.row_scale = row_scale
         shape = () if channels is None else (channels,)
@@ -161,18 +193,27 @@ class PPSBN(Normalizer):
 
     # ------------------------------------------------------------------ post-scaling
     def post(self, out: torch.Tensor) -> torch.Tensor:
-        """:math:`\\gamma\\,\\mathrm{sign}(a)|a|^\\beta` (or :math:`\\gamma a`) of ``out [B, H, N, dv]``."""
+        """Post-scaled ``out [B, H, N, dv]``: :math:`\\gamma\\,\\mathrm{sign}(a)|a|^\\beta`
+        (``"gamma_pow"``), :math:`\\mathrm{sign}(\\gamma a)|\\gamma a|^\\beta` (``"pow_gamma"``) or
+        :math:`\\gamma a` (``"gamma_only"``)."""
         gamma = self.gamma.to(out.dtype)
         if self.channels is not None and out.shape[-1] != self.channels:
             raise InputError(f"out: ppSBN has channels = {self.channels}, got value dimension dv = {out.shape[-1]}")
         if self.beta is None:
             return gamma * out
         beta = self.beta.to(out.dtype)
-        magnitude = torch.exp(beta * out.abs().clamp_min(torch.finfo(out.dtype).tiny).log())
-        return gamma * torch.sign(out) * magnitude
+        if self.post_form == "pow_gamma":
+            return _signed_power(gamma * out, beta)  # (gamma a)^beta, §3.2
+        return gamma * _signed_power(out, beta)  # gamma * a^beta, Algorithm 1
 
     def extra_repr(self) -> str:
         return (
-            f"eps={self.eps}, bn_eps={self.bn_eps}, stats={self.stats!r}, power={self.power}, "
+            f"eps={self.eps}, bn_eps={self.bn_eps}, stats={self.stats!r}, post_form={self.post_form!r}, "
             f"channels={self.channels}, row_scale={self.row_scale}"
         )
+
+
+def _signed_power(x: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """:math:`\\mathrm{sign}(x)|x|^\\beta`, with :math:`|x|` clamped at the smallest normal
+    number inside the power (finite :math:`\\partial/\\partial\\beta \\propto \\log|x|` at 0)."""
+    return torch.sign(x) * torch.exp(beta * x.abs().clamp_min(torch.finfo(x.dtype).tiny).log())

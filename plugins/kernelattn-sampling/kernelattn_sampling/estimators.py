@@ -286,14 +286,22 @@ class RandomizedAttentionBiased(_SamplingEstimator):
     Notes
     -----
     Not unbiased: the AT001 test of RA is declared on this class as a negative control
-    (``expect="fail"``), so ``kernelattn verify`` shows that the test catches it.
+    (``expect="fail"``), so ``kernelattn verify`` shows that the test catches it. Not
+    consistent either (its bias stays as the budget grows): AT002 is declared as a
+    negative control too.
     """
 
     name: ClassVar[str] = "ra-biased"
     unbiased: ClassVar[bool] = False
     consistent: ClassVar[bool] = False
     supports_causal: ClassVar[bool] = True
-    claims: ClassVar[tuple[Any, ...]] = (UnbiasedAttention(dim=4, seq_len=6, num_features=1, expect="fail"),)
+    claims: ClassVar[tuple[Any, ...]] = (
+        UnbiasedAttention(dim=4, seq_len=6, num_features=1, expect="fail"),
+        # not consistent either: the mean index replaces the sampled one at every budget, so
+        # the bias stays as num_features grows (AT002 negative control; logit_std 2 makes the
+        # bias, about 0.11 at both budgets, larger than what the redraws resolve, about 0.08)
+        ConsistentAttention(biased_at_finite_budget=True, budgets=(4, 64), logit_std=2.0, expect="fail"),
+    )
     linear: ClassVar[bool] = False
 
     def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
