@@ -154,13 +154,21 @@ class CausalOnlyElu(ka.FeatureMapAttention):
 
 
 class ClaimsCausalOnlyButIsNot(ka.FeatureMapAttention):
-    """Negative control: flagged causal only, yet causal=False runs (bidirectionally)."""
+    """Negative control: flagged causal only, yet causal=False runs (bidirectionally): its
+    ``forward`` bypasses the base class's refusal."""
 
     name: ClassVar[str] = "claims-causal-only"
     supports_noncausal: ClassVar[bool] = False
 
     def __init__(self, **options):  # type: ignore[no-untyped-def]
         super().__init__("elu", **options)
+
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None):  # type: ignore[no-untyped-def, override]
+        type(self).supports_noncausal = True
+        try:
+            return super().forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+        finally:
+            type(self).supports_noncausal = False
 
 
 def test_a_causal_only_estimator_is_checked_causally(toys) -> None:  # type: ignore[no-untyped-def]

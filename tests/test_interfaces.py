@@ -180,3 +180,22 @@ def test_feature_map_default_normalizer_is_used_unless_overridden(use_registry) 
     est = ka.FeatureMapAttention(SignedToy(head_dim=4), normalizer="row")
     assert type(est.normalizer) is ka.RowNormalizer
     assert type(ka.create("elu").normalizer) is ka.RowNormalizer
+
+
+def test_a_causal_only_estimator_is_refused_non_causal_by_the_base_class() -> None:
+    from typing import ClassVar
+
+    from kernelattn_core.errors import InputError
+
+    class CausalOnly(ka.FeatureMapAttention):
+        name: ClassVar[str] = "causal-only-test"
+        supports_noncausal: ClassVar[bool] = False
+
+        def __init__(self) -> None:
+            super().__init__("elu")
+
+    q = torch.randn(1, 1, 4, 2)
+    est = CausalOnly()
+    assert est(q, q, q, causal=True).shape == (1, 1, 4, 2)
+    with pytest.raises(InputError, match="causal only"):
+        est(q, q, q)

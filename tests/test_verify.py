@@ -222,3 +222,19 @@ def test_kn006_positive_definite(reg) -> None:  # type: ignore[no-untyped-def]
     assert _verdict(reg, "good-exp", "KN006") == "pass"
     bad = _results(reg, "negative-coefficient", "KN006")[0]  # exp(-x.y) is not positive definite
     assert bad.verdict == "fail" and bad.numbers["min_eig_over_max"] < -1e-10
+
+
+def test_full_level_dimension_adapts_a_budget_the_map_refuses_only_there() -> None:
+    """FastFood needs a multiple of d: at the added d = 128 the declared budget 64 becomes
+    128 (reported), at a declared dimension the refusal stays an error."""
+    from kernelattn_core.errors import InputError
+    from kernelattn_core.lookup import resolve_class
+    from kernelattn_core.verify.statistical import FULL_LEVEL_DIM, make_map_at
+
+    cls = resolve_class("fastfood-prf", "feature_map")
+    fm, budget = make_map_at(cls, FULL_LEVEL_DIM, 64, {}, (16, 64))
+    assert budget == 128 and fm.num_features == 128
+    fm, budget = make_map_at(cls, 64, 64, {}, (16, 64))
+    assert budget == 64
+    with pytest.raises(InputError, match="num_features"):
+        make_map_at(cls, FULL_LEVEL_DIM, 64, {}, (FULL_LEVEL_DIM,))

@@ -55,6 +55,8 @@ class AttentionEstimator(nn.Module, ABC):
         Whether error and bias vanish as the budget ``num_features`` grows.
     supports_causal : bool
         Whether ``causal=True`` is implemented.
+    supports_noncausal : bool
+        Whether ``causal=False`` is implemented (``False``: causal only).
     random : bool
         Whether the output depends on random draws.
     has_budget : bool
@@ -68,6 +70,9 @@ class AttentionEstimator(nn.Module, ABC):
     unbiased: ClassVar[bool] = False
     consistent: ClassVar[bool] = True
     supports_causal: ClassVar[bool] = True
+    #: ``False`` for a causal-only estimator (a gated recurrence such as ``rfa-gate``):
+    #: ``causal=False`` is refused, and the conformance kit and fuzz suite call it causally
+    supports_noncausal: ClassVar[bool] = True
     random: ClassVar[bool] = False
     has_budget: ClassVar[bool] = False
     linear: ClassVar[bool] = False
@@ -93,6 +98,8 @@ class AttentionEstimator(nn.Module, ABC):
         mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
         if not isinstance(causal, bool):
             raise InputError(f"causal: expected a bool, got {causal!r}")
+        if not causal and not self.supports_noncausal:
+            raise InputError(f"causal: estimator {self.name!r} is causal only; got causal=False")
         if causal:
             if not self.supports_causal:
                 raise InputError(f"causal: estimator {self.name!r} is non-causal only; got causal=True")

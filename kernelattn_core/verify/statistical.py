@@ -32,6 +32,7 @@ from ..claims import (
     UnbiasedAttention,
     UnbiasedKernelEstimate,
 )
+from ..errors import InputError
 from ..interfaces.feature_map import FeatureMap
 from .result import CheckResult, verdict, z_threshold
 
@@ -93,6 +94,22 @@ def make_map(cls: type[FeatureMap], d: int, num_features: int, options: Any) -> 
     return fm.double()
 
 
+def make_map_at(
+    cls: type[FeatureMap], d: int, num_features: int, options: Any, declared: tuple[int, ...]
+) -> tuple[FeatureMap, int]:
+    """:func:`make_map`, and the budget used. At a dimension the claim does not declare
+    (the added :data:`FULL_LEVEL_DIM`), a map that refuses the declared budget for this
+    ``d`` (FastFood stacks ``d x d`` blocks: a multiple of ``d``) gets the smallest
+    multiple of ``d`` above it; a refusal at a declared dimension stays an error."""
+    try:
+        return make_map(cls, d, num_features, options), num_features
+    except InputError:
+        if d in declared:
+            raise
+        budget = -(-num_features // d) * d
+        return make_map(cls, d, budget, options), budget
+
+
 def sample_points(
     d: int, pairs: int, norm_range: tuple[float, float], seed: int, inputs: Any = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +151,9 @@ def check_unbiased(cls: type[FeatureMap], claim: UnbiasedKernelEstimate, level: 
     sensitivity = math.inf
     per_dim: dict[str, Any] = {}
     for d in dims:
-        fm = make_map(cls, d, claim.num_features, claim.options)
+        fm, budget = make_map_at(cls, d, claim.num_features, claim.options, claim.dims)
+        if budget != claim.num_features:
+            per_dim[f"num_features_d{d}"] = budget
         x, y = sample_points(d, claim.pairs, claim.norm_range, SEED + d, claim.inputs)
         try:
             check_shapes(fm, x)
@@ -188,7 +207,7 @@ def check_positive(cls: type[FeatureMap], claim: PositiveFeatures, level: str, *
     redraws = _scaled(level, claim.redraws, quick_floor=10)
     worst, count, bad = math.inf, 0, 0
     for d in _dims(level, claim.dims, _class_dims(cls)):
-        fm = make_map(cls, d, 64, claim.options)
+        fm, _ = make_map_at(cls, d, 64, claim.options, claim.dims)
         g = torch.Generator().manual_seed(SEED + d)
         x = torch.randn(256, d, generator=g, dtype=torch.float64)
         x = x / x.norm(dim=-1, keepdim=True) * torch.linspace(0, claim.max_norm, 256, dtype=torch.float64)[:, None]

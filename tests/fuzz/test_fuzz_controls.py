@@ -61,6 +61,29 @@ class Overflows(ka.AttentionEstimator):
         return (w @ v) / w.sum(-1, keepdim=True)
 
 
+class _OverflowsInHalfBackward(torch.autograd.Function):
+    """Identity whose backward scales by 1e9 and back in the gradient's dtype: float16
+    overflows to inf (a defect of the computation), float32 returns the gradient."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def, override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def, override]
+        return (g * 1e9) / 1e9
+
+
+class HalfGradientOverflow(Correct):
+    """Correct outputs; its float16 gradient overflows inside the backward although the
+    exact gradient is small."""
+
+    name: ClassVar[str] = "ctl-half-grad-overflow"
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        return super()._attend(_OverflowsInHalfBackward.apply(q), k, v, causal, key_padding_mask)
+
+
 class IgnoresSeed(Correct):
     name: ClassVar[str] = "ctl-ignores-seed"
     random: ClassVar[bool] = True
@@ -102,7 +125,7 @@ class CausalOnly(Correct):
 class Plugin:
     @ka.hookimpl
     def kernelattn_estimators(self):  # type: ignore[no-untyped-def]
-        return [Correct, MultipliesMask, LeaksFuture, Overflows, IgnoresSeed, Unseeded, CausalOnly]
+        return [Correct, MultipliesMask, LeaksFuture, Overflows, HalfGradientOverflow, IgnoresSeed, Unseeded, CausalOnly]
 
     @ka.hookimpl
     def kernelattn_normalizers(self):  # type: ignore[no-untyped-def]
@@ -135,6 +158,7 @@ def _outcome(reg: ka.Registry, name: str, prop: str) -> str | None:
         ("ctl-multiplies-mask", "causal_prefix_non_finite"),
         ("ctl-leaks-future", "causal_prefix_finite"),
         ("ctl-overflows", "finite_at_norm"),
+        ("ctl-half-grad-overflow", "finite_at_norm"),
         ("ctl-ignores-seed", "bad_inputs"),
         ("ctl-unseeded", "replica_agreement"),
     ],
@@ -143,6 +167,8 @@ def test_each_defect_fails_its_property_naming_estimator_and_property(controls, 
     message = _outcome(controls, name, prop)
     assert message is not None, f"{name} passed {prop} despite its defect"
     assert message.startswith(f"{name}: {prop}:"), message
+    if name == "ctl-half-grad-overflow":  # failed on the float16 gradient, not on anything else
+        assert "float16" in message and "although the float32 gradient is" in message, message
 
 
 def test_a_leaking_normalizer_fails_normalizer_causal_naming_it(controls) -> None:  # type: ignore[no-untyped-def]
