@@ -19,22 +19,37 @@ feature keys; they reach the query through per-block sums
 cumulative sum over blocks (non-causal). Time :math:`O(N C (d + d_v) + N D d_v)`,
 memory :math:`O(N C + (N / C) D d_v)`; no ``[N, M]`` tensor.
 
-**One stabiliser for both parts (exact, causal-safe).** For log-space maps
+**Stabilisers (exact, causal-safe).** For log-space maps
 (:math:`l = \\log \\phi`) the feature score is
 :math:`\\phi_q(q_i)^\\top \\phi_k(k_j) = e^{a_i + c_j} \\sum_D e^{l_{q,i} - a_i} e^{l_{k,j} - c_j}`
 with :math:`a_i = \\max_D l_{q,i}` and a key constant :math:`c_j`: the global maximum
 :math:`c` of the key log-features (non-causal) or their prefix maximum
 :math:`c_j = \\max_{j' \\le j} \\max_D l_{k,j'}` (causal: it depends on earlier keys only).
-Row :math:`i` is then scaled by :math:`e^{-m_i}` with
+The two parts of row :math:`i` are first summed on their own scales,
 
-.. math:: m_i = \\max\\left(\\max_{j \\in W_i} s_{ij},\\; a_i + c_i\\right),
+.. math::
+    E_i = \\sum_{j \\in W_i} e^{s_{ij} - m_i}, \\quad m_i = \\max_{j \\in W_i} s_{ij},
+    \\qquad
+    Z_i = \\sum_{j \\in F_i} e^{-(a_i + c_i)} \\phi_q(q_i)^\\top \\phi_k(k_j),
 
-the *same* constant for the exact and the feature terms, so it cancels exactly in the
-ratio and every term is :math:`\\le 1` (exact terms by the maximum; feature terms
-through the gate :math:`e^{c_j - c_i} \\le 1` for :math:`j \\le i`). Causal block sums
-are stated at the block's last prefix maximum and restated with such gates, so a
-later, larger key never changes an earlier output. For maps that are not in log
-space, :math:`a = c = 0`.
+where every exact term is :math:`\\le 1` by the maximum and every feature term through
+the gate :math:`e^{c_j - c_i} \\le 1` for :math:`j \\le i` (causal block sums are stated
+at the block's last prefix maximum and restated with such gates, so a later, larger key
+never changes an earlier output). Then both are restated at the row's log-normaliser
+
+.. math:: M_i = \\max\\left(m_i + \\log E_i,\\; a_i + c_i + \\log |Z_i|\\right),
+
+that is, the exact part is scaled by :math:`e^{m_i - M_i} \\le 1` and the feature part by
+:math:`e^{a_i + c_i - M_i}`. :math:`M_i` cancels exactly in the ratio, and the restated
+denominator lies in :math:`[1, 2]` (positive maps), so neither the output nor its
+gradient (which carries :math:`1 / \\mathrm{den}`) can blow up. A single stabiliser
+:math:`\\max(m_i, a_i + c_i)` does not give this: :math:`a_i + c_i` only *bounds* the
+feature scores (non-causal, :math:`c` comes from keys that row :math:`i` may see exactly),
+so at input norm 10 in float32 the denominator of a row could underflow to a subnormal
+number and :math:`q` received an infinite or NaN gradient. The feature scale's exponent is
+capped at :math:`\\tfrac12 \\log` of the dtype's largest number (it only binds when
+:math:`Z_i` is itself near underflow). For maps that are not in log space,
+:math:`a = c = 0`.
 """
 
 from __future__ import annotations
@@ -177,15 +192,14 @@ def window_attention_blocked(
         s_g = s_g.masked_fill(~g_ok, NEG)
         win_max = torch.maximum(win_max, s_g.detach().amax(-1))
 
-    # ------------------------------------------------------------ one stabiliser per row
+    # ------------------------------------------------------------ each part on its own scale
+    # exact terms at m_i (the largest exact logit), feature terms at a_i + c_i; both are
+    # restated at the row's log-normaliser M_i below (see the module docstring)
+    m_e = torch.where(torch.isfinite(win_max), win_max, torch.zeros_like(win_max))  # [B, H, L]
     a_l = F.pad(a, (0, length - n))  # [B, H, L]
-    feat_top = torch.where(c_ok, a_l + c, torch.full_like(c, NEG))  # a_i + c_i, -inf: no feature key yet
-    m = torch.maximum(win_max, feat_top)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows with no allowed key
-    scale_f = torch.where(c_ok, a_l + c - m, torch.full_like(m, NEG)).exp()  # [B, H, L], <= 1
-    mb = m.unflatten(-1, (nb, c_blk))  # [B, H, nb, C]
-
-    e_loc = (s_loc - mb.unsqueeze(-1)).exp()  # [B, H, nb, C, R]
+    m_f = a_l + c  # [B, H, L], finite
+    f_on = c_ok.to(q.dtype)  # 0: no feature key yet (causal) or none at all
+    e_loc = (s_loc - m_e.unflatten(-1, (nb, c_blk)).unsqueeze(-1)).exp()  # [B, H, nb, C, R], <= 1
     f_loc = fqb @ fk_loc.transpose(-1, -2)  # [B, H, nb, C, R]
     if log_space and causal:
         c_b = c.unflatten(-1, (nb, c_blk))  # [B, H, nb, C]
@@ -194,16 +208,16 @@ def window_attention_blocked(
         f_loc = f_loc * gate.exp()  # e^{c_j - c_i} <= 1 on feature pairs, 0 elsewhere
     else:
         f_loc = f_loc.masked_fill(~featm_loc[:, None], 0.0)
-    w_loc = e_loc + f_loc * scale_f.unflatten(-1, (nb, c_blk)).unsqueeze(-1)  # [B, H, nb, C, R]
-    num = (w_loc @ v_loc).flatten(2, 3)  # [B, H, L, dv]
-    den = w_loc.sum(-1).flatten(2, 3)  # [B, H, L]
+    f_loc = f_loc * f_on.unflatten(-1, (nb, c_blk)).unsqueeze(-1)
+    den_e = e_loc.sum(-1).flatten(2, 3)  # [B, H, L]
+    den_f = f_loc.sum(-1).flatten(2, 3)
     if g > 0:
-        e_g = (s_g - m.unsqueeze(-1)).exp()  # [B, H, L, g]
-        num = num + e_g @ v[:, :, :g]
-        den = den + e_g.sum(-1)
+        e_g = (s_g - m_e.unsqueeze(-1)).exp()  # [B, H, L, g]
+        den_e = den_e + e_g.sum(-1)
 
     # ------------------------------------------------------------ far blocks: per-block sums
-    if nb > 2 or (causal and nb > 1):
+    far = nb > 2 or (causal and nb > 1)
+    if far:
         if log_space and causal:
             c_end = c.unflatten(-1, (nb, c_blk))[..., -1]  # [B, H, nb]: c at each block's end
             restate = (c.unflatten(-1, (nb, c_blk)) - c_end.unsqueeze(-1)).exp()  # [B, H, nb, C] <= 1
@@ -221,11 +235,28 @@ def window_attention_blocked(
             far_s = torch.cat([zs, pre_s[:, :, :-2]], 2) + torch.cat([suf_s[:, :, 2:], zs], 2)
             far_z = torch.cat([zz, pre_z[:, :, :-2]], 2) + torch.cat([suf_z[:, :, 2:], zz], 2)
             far_c = None
-        sf = scale_f.unflatten(-1, (nb, c_blk))  # [B, H, nb, C]
+        sf = f_on.unflatten(-1, (nb, c_blk))  # [B, H, nb, C]
         if far_c is not None:
             sf = sf * (far_c.unsqueeze(-1) - c.unflatten(-1, (nb, c_blk))).exp()  # gate <= 1
-        num = num + ((fqb @ far_s) * sf.unsqueeze(-1)).flatten(2, 3)
-        den = den + ((fqb @ far_z.unsqueeze(-1)).squeeze(-1) * sf).flatten(2, 3)
+        far_num = ((fqb @ far_s) * sf.unsqueeze(-1)).flatten(2, 3)  # [B, H, L, dv]
+        den_f = den_f + ((fqb @ far_z.unsqueeze(-1)).squeeze(-1) * sf).flatten(2, 3)
+
+    # ------------------------------------------------------------ one log-normaliser per row
+    with torch.no_grad():
+        l_e = m_e + den_e.log()  # -inf: no exact key
+        l_f = m_f + den_f.abs().log()  # -inf: no feature key (abs: signed maps)
+        top = torch.maximum(l_e, l_f)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # rows with no allowed key
+        cap = 0.5 * torch.log(torch.tensor(torch.finfo(top.dtype).max, dtype=top.dtype)).item()
+        w_e = torch.where(den_e > 0, (m_e - top).clamp(max=0.0).exp(), torch.zeros_like(top))  # <= 1
+        w_f = (m_f - top).clamp(max=cap).exp()  # [B, H, L]
+    w_loc = e_loc * w_e.unflatten(-1, (nb, c_blk)).unsqueeze(-1) + f_loc * w_f.unflatten(-1, (nb, c_blk)).unsqueeze(-1)
+    num = (w_loc @ v_loc).flatten(2, 3)  # [B, H, L, dv]
+    den = den_e * w_e + den_f * w_f  # [B, H, L], in [1, 2] for positive maps
+    if g > 0:
+        num = num + (e_g * w_e.unsqueeze(-1)) @ v[:, :, :g]
+    if far:
+        num = num + far_num * w_f.unsqueeze(-1)
 
     num, den = num[:, :, :n], den[:, :, :n]
     safe = torch.where(den > 0, den, torch.ones_like(den))

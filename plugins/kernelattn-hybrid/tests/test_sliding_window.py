@@ -324,3 +324,47 @@ def test_causal_prefix_two_level_scan_is_the_gated_prefix_sum(nb):
             torch.testing.assert_close(far_s[:, :, b], pre_s[:, :, b - 2], rtol=1e-12, atol=1e-14)
             torch.testing.assert_close(far_z[:, :, b], pre_z[:, :, b - 2], rtol=1e-12, atol=1e-14)
             torch.testing.assert_close(far_c[:, :, b], c[:, :, b - 2])
+
+
+def _opposed(n: int, d: int, norm: float, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    """``q_i = -k_i`` of scaled norm ``norm`` (raw norm ``norm * d**0.25``): every logit on
+    the diagonal is ``-norm**2``, while the log-features of ``q`` and ``k`` reach ``+norm``."""
+    u = _rand(1, 2, n, d, seed=seed)
+    u = u / u.norm(dim=-1, keepdim=True) * norm * d**0.25
+    return u.to(dtype), (-u).to(dtype), _rand(1, 2, n, 3, seed=seed + 1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_single_key_at_norm_ten_gives_its_value_and_zero_logit_gradients(dtype, causal):
+    # Issue #15: with one key, out = v whatever q and k are, so q.grad = k.grad = 0. The old
+    # single stabiliser max(logit, a + c) put the exact term at e^{-100 - 11} (a + c only
+    # bounds feature scores, and this row has none): a zero or subnormal denominator in
+    # float32, then a zero row or a NaN q.grad.
+    q, k, v = (t.requires_grad_() for t in _opposed(1, 3, 10.0, dtype, seed=30))
+    est = ka.create("sliding-window", num_features=16).eval()
+    out = est(q, k, v, causal=causal)
+    torch.testing.assert_close(out, v.detach(), rtol=0, atol=0)
+    out.float().square().sum().backward()
+    for name, grad in (("q", q.grad), ("k", k.grad)):  # zero up to float32 rounding
+        assert bool(torch.isfinite(grad).all()) and float(grad.abs().max()) < 1e-5, name
+    torch.testing.assert_close(v.grad.float(), 2 * v.detach().float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [16, 2])
+def test_float32_at_norm_ten_matches_float64_with_gradients(causal, window):
+    # exact and feature parts far apart in scale (diagonal logits -100, feature bounds +20):
+    # float32 outputs and gradients must agree with the same estimator in float64
+    n = 23
+    q, k, v = _opposed(n, 3, 10.0, F64, seed=31)
+    est = ka.create("sliding-window", window=window, num_features=16, block_size=max(window, 4)).eval()
+    grads = {}
+    for dtype in (torch.float32, F64):
+        xs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = est.to(dtype)(*xs, causal=causal)
+        (out * _rand(*out.shape, seed=32).to(dtype)).sum().backward()
+        grads[dtype] = [out.detach()] + [x.grad for x in xs]
+    for name, a, b in zip(("out", "q.grad", "k.grad", "v.grad"), grads[torch.float32], grads[F64], strict=True):
+        assert bool(torch.isfinite(a).all()), name
+        torch.testing.assert_close(a.double(), b, rtol=2e-3, atol=2e-4, msg=name)
