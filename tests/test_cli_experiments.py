@@ -86,3 +86,45 @@ def test_compare_on_minilm_layers_with_baselines(capsys) -> None:  # type: ignor
         # k = budget = N keys: the top-k oracle is exact softmax attention of the model
         assert by[("oracle:top-k", layer)] < 1e-5
         assert 0 < by[("baseline:mean-v", layer)] < 10 and 0 < by[("prf", layer)] < 10
+
+
+def test_experiment_help_points_to_list_which_names_every_installed_experiment(capsys) -> None:  # type: ignore[no-untyped-def]
+    from kernelattn_core.registry import get_registry
+
+    with pytest.raises(SystemExit) as exc:
+        main(["experiment", "--help"])
+    assert exc.value.code == 0
+    assert "kernelattn experiment --list" in " ".join(capsys.readouterr().out.split())
+    assert main(["experiment", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    installed = get_registry().experiments()
+    assert [line.split()[0] for line in lines] == sorted(installed)
+    for line in lines:
+        assert line.endswith(installed[line.split()[0]].help)
+
+
+def test_experiment_name_help_shows_its_own_options(capsys) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("kernelattn_maclaurin")
+    with pytest.raises(SystemExit) as exc:
+        main(["experiment", "rmfa-error", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: kernelattn experiment rmfa-error" in out
+    for flag in ("--budgets", "--kernels", "--format", "--plot"):
+        assert flag in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["experiment"], "required: NAME ('kernelattn experiment --list' shows the names)"),
+        (["experiment", "no-such-experiment"], "invalid choice: 'no-such-experiment' (choose from 'cexp'"),
+        (["experiment", "--list", "cexp"], "--list takes no NAME"),
+    ],
+)
+def test_experiment_without_a_known_name_is_a_usage_error(argv, needle, capsys) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("kernelattn_prf")
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
