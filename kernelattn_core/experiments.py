@@ -25,7 +25,7 @@ class Experiment:
     name : str
         Unique name (lower case, digits, ``-``), e.g. ``"cexp-mse"``.
     help : str
-        One line shown by ``kernelattn experiment --help``.
+        One line shown by ``kernelattn experiment --list`` and atop ``kernelattn experiment NAME --help``.
     add_arguments : callable
         ``(parser) -> None``: adds the experiment's options.
     run : callable
