@@ -128,3 +128,36 @@ def test_experiment_without_a_known_name_is_a_usage_error(argv, needle, capsys) 
         main(argv)
     assert exc.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_median_time_is_the_blocked_autorange_median_over_at_least_repeats_calls(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # issue #17: experiment timings come from torch.utils.benchmark (blocked_autorange's
+    # median per call), not a hand-written loop; the timer is replaced by a recorder here
+    import torch
+    from torch.utils import benchmark
+
+    from kernelattn_core.cli.measure import median_time
+
+    seen: dict = {}
+
+    class Recorder:
+        def __init__(self, stmt, globals, num_threads):  # type: ignore[no-untyped-def]
+            seen.update(stmt=stmt, num_threads=num_threads)
+            self.fn = globals["fn"]
+
+        def timeit(self, number):  # type: ignore[no-untyped-def]
+            for _ in range(number):
+                self.fn()
+            return type("M", (), {"median": 0.01})()
+
+        def blocked_autorange(self, min_run_time):  # type: ignore[no-untyped-def]
+            seen["min_run_time"] = min_run_time
+            return type("M", (), {"median": 0.123})()
+
+    calls = []
+    monkeypatch.setattr(benchmark, "Timer", Recorder)
+    assert median_time(lambda: calls.append(1), torch.device("cpu"), repeats=7, warmup=2) == 0.123
+    assert len(calls) == 3  # two warmup calls and the timed one that sizes the run
+    assert seen == {"stmt": "fn()", "num_threads": torch.get_num_threads(), "min_run_time": 7 * 0.01}
+    median_time(lambda: None, torch.device("cpu"), repeats=1, warmup=0, min_run_time=0.5)
+    assert seen["min_run_time"] == 0.5  # never shorter than min_run_time

@@ -9,8 +9,6 @@ counter is used instead.
 
 from __future__ import annotations
 
-import statistics
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -76,23 +74,28 @@ def peak_memory(fn: Callable[[], Any], device: torch.device) -> int:
     return mode.peak
 
 
-def median_time(fn: Callable[[], Any], device: torch.device, repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` in seconds over ``repeats`` calls after ``warmup``."""
+def median_time(
+    fn: Callable[[], Any], device: torch.device, repeats: int = 5, warmup: int = 1, min_run_time: float = 0.05
+) -> float:
+    """Median time per call of ``fn()`` in seconds, with :mod:`torch.utils.benchmark`.
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    ``warmup`` untimed calls, one timed call :math:`c` (also a warmup), then
+    ``Timer.blocked_autorange`` for at least :math:`\\max(\\text{repeats} \\cdot c,\\;
+    \\text{min\\_run\\_time})` seconds: the timer picks the number of calls per block (so
+    its own overhead stays negligible for fast calls), synchronises CUDA, runs with as
+    many threads as torch uses here, and the result is the median over blocks of the
+    time per call. So at least ``repeats`` calls are timed; fast calls get more.
+
+    ``device`` is kept for the callers (the timer synchronises CUDA whenever it is
+    available).
+    """
+    from torch.utils import benchmark
 
     for _ in range(warmup):
         fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    one = float(timer.timeit(1).median)
+    return float(timer.blocked_autorange(min_run_time=max(repeats * one, min_run_time)).median)
 
 
 def benchmark_time(fn: Callable[[], Any], device: torch.device, min_run_time: float = 0.2) -> dict[str, float]:

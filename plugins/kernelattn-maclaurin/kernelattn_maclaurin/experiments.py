@@ -149,7 +149,9 @@ def speed_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=50)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3, help="timed calls per cell (median)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed calls per cell, at least (median of blocked_autorange)"
+    )
     parser.add_argument("--device", default="cpu")
     _common(parser)
 

@@ -115,8 +115,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=d.heads, help="attention heads (3)")
     parser.add_argument("--samples", type=int, default=d.samples, help="PRF features / LARA landmarks (16)")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=d.methods)
-    parser.add_argument("--repeats", type=int, default=d.repeats, help="timed forward calls (median)")
-    parser.add_argument("--warmup", type=int, default=d.warmup)
+    parser.add_argument(
+        "--repeats", type=int, default=d.repeats, help="timed forward calls, at least (median of blocked_autorange)"
+    )
+    parser.add_argument("--warmup", type=int, default=d.warmup, help="untimed forward calls first")
     parser.add_argument("--seed", type=int, default=d.seed)
     from kernelattn_core.experiments import add_output_arguments
 
