@@ -125,7 +125,16 @@ class CausalOnly(Correct):
 class Plugin:
     @ka.hookimpl
     def kernelattn_estimators(self):  # type: ignore[no-untyped-def]
-        return [Correct, MultipliesMask, LeaksFuture, Overflows, HalfGradientOverflow, IgnoresSeed, Unseeded, CausalOnly]
+        return [
+            Correct,
+            MultipliesMask,
+            LeaksFuture,
+            Overflows,
+            HalfGradientOverflow,
+            IgnoresSeed,
+            Unseeded,
+            CausalOnly,
+        ]
 
     @ka.hookimpl
     def kernelattn_normalizers(self):  # type: ignore[no-untyped-def]

@@ -247,7 +247,7 @@ def window_attention_blocked(
         l_f = m_f + den_f.abs().log()  # -inf: no feature key (abs: signed maps)
         top = torch.maximum(l_e, l_f)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # rows with no allowed key
-        cap = 0.5 * torch.log(torch.tensor(torch.finfo(top.dtype).max, dtype=top.dtype)).item()
+        cap = 0.5 * math.log(torch.finfo(top.dtype).max)  # e^cap * e^cap stays finite
         w_e = torch.where(den_e > 0, (m_e - top).clamp(max=0.0).exp(), torch.zeros_like(top))  # <= 1
         w_f = (m_f - top).clamp(max=cap).exp()  # [B, H, L]
     w_loc = e_loc * w_e.unflatten(-1, (nb, c_blk)).unsqueeze(-1) + f_loc * w_f.unflatten(-1, (nb, c_blk)).unsqueeze(-1)
