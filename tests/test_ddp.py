@@ -43,6 +43,8 @@ def _options(name: str, seed: int | None) -> dict[str, object]:
             opts["redraw_every"] = 1
     if seed is not None:
         opts["seed"] = seed
+    if not getattr(entry.cls, "supports_noncausal", True):
+        opts["causal"] = True  # a causal-only estimator (a gated recurrence) refuses causal=False
     return opts
 
 
