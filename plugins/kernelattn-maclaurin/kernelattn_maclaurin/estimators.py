@@ -188,10 +188,17 @@ class SchoenbAt(RMFA):
     ``consistent`` is ``False`` with respect to the raw-input target. Its error on
     pre-scaled inputs shrinks with ``num_features`` like RMFA's.
 
+    **Two post-transforms.** Algorithm 1 of the SchoenbAt paper applies
+    :math:`\\gamma\\,\\mathrm{sign}(A)|A|^{\\beta}` (the default, ``post_form="gamma_pow"``,
+    so trained models keep their meaning); §3.2 writes :math:`(\\gamma A)^{\\beta}`
+    (``post_form="pow_gamma"``, a signed power). ``power=False`` keeps only
+    :math:`\\gamma`. See :doc:`/departures`.
+
     Parameters
     ----------
-    bn_eps, stats, power, channels
-        ppSBN options (see :class:`~kernelattn_maclaurin.normalizers.PPSBN`).
+    bn_eps, stats, power, channels, post_form
+        ppSBN options (see :class:`~kernelattn_maclaurin.normalizers.PPSBN`); they apply
+        to the default ``ppsbn`` normaliser only.
     **options
         As for :class:`RMFA`.
 
@@ -219,10 +226,16 @@ class SchoenbAt(RMFA):
         stats: str = "token",
         power: bool = True,
         channels: int | None = None,
+        post_form: str | None = None,
         **options: Any,
     ) -> None:
         if normalizer is None or normalizer in ("ppsbn", "pp-sbn"):
-            options.update(bn_eps=bn_eps, stats=stats, power=power, channels=channels)
+            options.update(bn_eps=bn_eps, stats=stats, power=power, channels=channels, post_form=post_form)
+        elif post_form is not None:
+            raise InputError(
+                f"post_form: applies to the ppsbn normaliser only; got post_form={post_form!r} with "
+                f"normalizer={normalizer!r} (pass post_form to that normaliser instead)"
+            )
         super().__init__(feature_map, normalizer, **options)
 
 

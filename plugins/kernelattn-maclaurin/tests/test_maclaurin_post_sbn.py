@@ -99,3 +99,9 @@ def test_schoenbat_takes_the_form_by_name() -> None:
 def test_bad_forms_are_refused_naming_the_argument(options: dict, argument: str) -> None:
     with pytest.raises(InputError, match=argument):
         PPSBN(**options)
+
+
+def test_schoenbat_refuses_post_form_for_another_normalizer() -> None:
+    """post_form belongs to ppSBN: with the row normaliser it has nothing to act on."""
+    with pytest.raises(InputError, match="post_form.*ppsbn"):
+        ka.create("schoenbat", num_features=16, seed=0, normalizer="row", post_form="pow_gamma")
