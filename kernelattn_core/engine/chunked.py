@@ -76,11 +76,11 @@ def _scan(u: torch.Tensor, decay: torch.Tensor | None, s0: torch.Tensor) -> tupl
         inclusive = u.cumsum_(2).add_(s0.unsqueeze(2))
         return torch.cat([s0.unsqueeze(2), inclusive[:, :, :-1]], dim=2), inclusive[:, :, -1].clone()
     states = torch.empty_like(u)  # every chunk is written below
-    cur = s0
-    for c in range(u.shape[2]):  # n_c small updates, no autograd inside
-        states[:, :, c] = cur
-        cur = torch.addcmul(u[:, :, c], cur, decay[:, :, c, None, None])
-    return states, cur
+    n_c = u.shape[2]
+    states[:, :, 0] = s0
+    for c in range(n_c - 1):  # n_c small updates written in place, no autograd inside
+        torch.addcmul(u[:, :, c], states[:, :, c], decay[:, :, c, None, None], out=states[:, :, c + 1])
+    return states, torch.addcmul(u[:, :, -1], states[:, :, -1], decay[:, :, -1, None, None])
 
 
 def _reverse_scan(
@@ -93,12 +93,10 @@ def _reverse_scan(
         g = torch.cat([tail[:, :, 1:], torch.zeros_like(tail[:, :, :1])], dim=2).add_(s_bar.unsqueeze(2))
         return g, tail[:, :, 0] + s_bar
     g = torch.empty_like(w)  # every chunk is written below
-    cur = s_bar
-    n_c = w.shape[2]
-    for c in range(n_c - 1, -1, -1):
-        g[:, :, c] = cur
-        cur = torch.addcmul(w[:, :, c], cur, decay[:, :, c, None, None])  # dL/dS_c
-    return g, cur
+    g[:, :, -1] = s_bar
+    for c in range(w.shape[2] - 1, 0, -1):  # G_{c-1} = W_c + delta_c G_c, written in place
+        torch.addcmul(w[:, :, c], g[:, :, c], decay[:, :, c, None, None], out=g[:, :, c - 1])
+    return g, torch.addcmul(w[:, :, 0], g[:, :, 0], decay[:, :, 0, None, None])  # dL/dS_0
 
 
 def _stabilisers(
@@ -184,6 +182,13 @@ def _part(m: torch.Tensor | None, g0: int, g1: int) -> torch.Tensor | None:
     return None if m is None else m[..., g0:g1]
 
 
+def _rows(x: torch.Tensor, g0: int, g1: int) -> torch.Tensor:
+    """Positions ``[g0, g1)`` of ``x [B, H, N, .]``, contiguous: a strided slice would be
+    copied again by every batched product of the block (five to eight times per group)."""
+    part = x[:, :, g0:g1]
+    return part if g1 - g0 == x.shape[2] else part.contiguous()
+
+
 class _CausalLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, s0, m, m0, chunk):  # type: ignore[no-untyped-def, override]
@@ -195,7 +200,14 @@ class _CausalLinear(torch.autograd.Function):
         for g0, g1 in groups:  # groups bound the work space; no autograd records this loop
             s_in.append(cur)
             blk = _Block(
-                q[:, :, g0:g1], k[:, :, g0:g1], v[:, :, g0:g1], cur, _part(m, g0, g1), _m_in(m, m0, g0), chunk, tri
+                _rows(q, g0, g1),
+                _rows(k, g0, g1),
+                _rows(v, g0, g1),
+                cur,
+                _part(m, g0, g1),
+                _m_in(m, m0, g0),
+                chunk,
+                tri,
             )
             out[:, :, g0:g1] = blk.forward().view(b, h, g1 - g0, -1)
             cur = blk.s_out
@@ -216,9 +228,16 @@ class _CausalLinear(torch.autograd.Function):
         for i in range(len(groups) - 1, -1, -1):  # last group first: G runs backwards
             g0, g1 = groups[i]
             blk = _Block(
-                q[:, :, g0:g1], k[:, :, g0:g1], v[:, :, g0:g1], s_in[i], _part(m, g0, g1), _m_in(m, m0, g0), chunk, tri
+                _rows(q, g0, g1),
+                _rows(k, g0, g1),
+                _rows(v, g0, g1),
+                s_in[i],
+                _part(m, g0, g1),
+                _m_in(m, m0, g0),
+                chunk,
+                tri,
             )
-            dq, dk, dv_, g_out = blk.backward(o_bar[:, :, g0:g1], g_out)
+            dq, dk, dv_, g_out = blk.backward(_rows(o_bar, g0, g1), g_out)
             q_bar[:, :, g0:g1] = dq.view(b, h, g1 - g0, d_feat)
             k_bar[:, :, g0:g1] = dk.view(b, h, g1 - g0, d_feat)
             v_bar[:, :, g0:g1] = dv_.view(b, h, g1 - g0, -1)

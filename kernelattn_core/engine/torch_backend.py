@@ -172,7 +172,8 @@ def feature_attention_torch(
         fk = phi_k if pad is None else phi_k.masked_fill(pad, 0.0)
     s = torch.cat([fk.transpose(-1, -2) @ v, fk.sum(-2).unsqueeze(-1)], dim=-1)  # [B, H, D, dv + 1]
     out = fq @ s  # [B, H, N, dv + 1]: numerator and denominator in one product
-    return out[..., :-1], out[..., -1]
+    num, den = out.split([out.shape[-1] - 1, 1], dim=-1)  # one backward (a cat), not two zero-filled slices
+    return num, den.squeeze(-1)
 
 
 def _causal(
@@ -231,7 +232,8 @@ def _causal(
     else:
         s0 = torch.cat([state.kv.to(fq.dtype), state.z.to(fq.dtype).unsqueeze(-1)], dim=-1)
     out, s_final = causal_linear_attention(fq, fk, v1, s0, m, m0, chunk_size or DEFAULT_CHUNK)
-    num, den = out[..., :dv], out[..., dv]
+    num, den = out.split([dv, 1], dim=-1)  # one backward (a cat) instead of two zero-filled slices
+    den = den.squeeze(-1)
     if poison is not None:
         num = num.masked_fill(poison.unsqueeze(-1), float("nan"))
         den = den.masked_fill(poison, float("nan"))

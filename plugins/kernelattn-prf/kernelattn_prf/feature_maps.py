@@ -163,10 +163,11 @@ class PositiveRandomFeatures(FeatureMap):
         proj = x @ w.mT  # [..., m]
         if self.two_sided:
             proj = torch.cat([proj, -proj], dim=-1)  # [..., 2m]
-        row = (x * x).sum(-1, keepdim=True).mul_(0.5).add_(0.5 * math.log(proj.shape[-1]))  # [..., 1]
+        neg_row = (x * x).sum(-1, keepdim=True).mul_(-0.5).sub_(0.5 * math.log(proj.shape[-1]))  # [..., 1]
         # in place on the fresh product (its backward needs x and w, not the product): one
-        # pass over [..., D] instead of two allocating ones
-        return proj.sub_(row)
+        # pass over [..., D] instead of two allocating ones; added rather than subtracted so
+        # the backward reduces the gradient for the row term without negating all of it
+        return proj.add_(neg_row)
 
     def fused_spec(self) -> FusedFeatureSpec:
         """The ``"exp"`` family: :math:`\\log\\phi = x'\\omega^\\top - \\|x'\\|^2/2 - \\tfrac12\\log D`
