@@ -354,15 +354,21 @@ def _finite(t: torch.Tensor) -> bool:
 
 def _beyond_range(est: Any, name: str, prop: str, what: str, qkv: tuple, causal: bool, bad: list[str]) -> None:
     """A float16 gradient that is not finite passes only when the same call in float32
-    (the same float16 inputs, widened) gives a finite gradient *beyond* float16's range:
-    the exact gradient itself is not representable (a signed estimator whose
-    denominator nears zero), not an overflow inside the computation."""
+    (the same float16 inputs, widened) gives a finite gradient within a factor of 8 of
+    float16's maximum or beyond it: the exact gradient itself is then not representable
+    (a signed estimator whose denominator nears zero), not an overflow inside the
+    computation. The factor: the half call also rounds the scaled ``q``, ``k`` to
+    float16 (relative 2^-11), and near a zero denominator that moves the output and its
+    gradient by whole factors (seen: ``trig-softmax-features`` output 204 in float16
+    against 61 in float32, float32 gradient 3.2e4), so a float32 gradient of that size
+    cannot certify that the half one is representable. A gradient far inside the range
+    (the control ``ctl-half-grad-overflow``: about 1) still fails."""
     wide = [t.detach().float().requires_grad_() for t in qkv]
     est(*wide, causal=causal).square().mean().backward()
     top = torch.finfo(torch.float16).max
     for arg in bad:
         g = dict(zip("qkv", wide, strict=True))[arg].grad
-        if g is None or not _finite(g) or float(g.abs().max()) < 0.5 * top:
+        if g is None or not _finite(g) or float(g.abs().max()) < top / 8:
             largest = "non-finite" if g is None or not _finite(g) else f"{float(g.abs().max()):.3g}"
             raise _fail(
                 name, prop, f"{what}: non-finite {arg}.grad in float16 although the float32 gradient is {largest}"

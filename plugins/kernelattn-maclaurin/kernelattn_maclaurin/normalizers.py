@@ -161,7 +161,10 @@ class PPSBN(Normalizer):
         root = torch.sqrt(var + self.bn_eps)
         xs = (x - mean) / torch.where(root > 0, root, torch.ones_like(root))  # 0/0 (bn_eps = 0): the zero row
         norm = xs.norm(dim=-1, keepdim=True)
-        return xs / norm.clamp_min(torch.finfo(x.dtype).tiny)  # a zero row stays zero
+        zero = norm == 0  # a constant row: its output is the zero row, with zero gradient
+        # (dividing by a clamped norm instead sent g / tiny through 1 / root in the
+        # backward: inf - inf = NaN at a constant bfloat16 row, d = 2)
+        return torch.where(zero, torch.zeros_like(xs), xs / torch.where(zero, torch.ones_like(norm), norm))
 
     def pre(
         self,

@@ -309,3 +309,29 @@ def test_maclaurin_ppsbn_half_standardisation_matches_float32() -> None:
     assert half.dtype == torch.float16
     torch.testing.assert_close(half.float(), ref, rtol=2e-3, atol=2e-3)
     assert bool((ref[0, 0, 0] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_maclaurin_ppsbn_constant_row_has_a_zero_finite_gradient(dtype: torch.dtype) -> None:
+    """A constant row (always the case where two bfloat16 entries round alike at d = 2)
+    maps to the zero row; its gradient is zero, not NaN (the clamped-norm division sent
+    g / tiny through 1 / root: inf - inf in the backward). Other rows keep theirs."""
+    x = torch.tensor([[[[1.5, 1.5], [0.3, -0.7], [2.0, 2.0]]]], dtype=dtype, requires_grad=True)
+    out = PPSBN().standardize(x)
+    (out.float() * torch.tensor([1.0, 2.0])).sum().backward()
+    assert bool((out[0, 0, 0] == 0).all()) and bool((out[0, 0, 2] == 0).all())
+    assert bool(torch.isfinite(x.grad).all())
+    assert bool((x.grad[0, 0, 0] == 0).all()) and bool((x.grad[0, 0, 2] == 0).all())
+    # the non-constant row: unit row of a 2-vector, gradient ~ 0 (exact 0 for d = 2 up to rounding)
+    torch.testing.assert_close(out[0, 0, 1].float().abs(), torch.full((2,), 2**-0.5), rtol=1e-2, atol=1e-2)
+
+
+def test_maclaurin_schoenbat_bfloat16_gradient_finite_at_a_constant_row() -> None:
+    """The fuzz case that found it: schoenbat, bfloat16, d = 2, scaled norm 1.9."""
+    from kernelattn_core.testing.fuzz import _tensors
+
+    torch.manual_seed(0)
+    est = ka.create("schoenbat", num_features=16, seed=0).eval()
+    q, k, v = (t.requires_grad_() for t in _tensors(18302, 1, 2, 21, 21, 2, 3, 1.9, torch.bfloat16))
+    est(q, k, v, causal=False).float().square().mean().backward()
+    assert all(bool(torch.isfinite(t.grad).all()) for t in (q, k, v))
