@@ -21,7 +21,9 @@ image, so the family of gates is the same up to the key projection.
   inside a chunk with decays :math:`e^{G_t - G_j} \\le 1` from cumulative log-gates and
   the state carried across chunks with decay :math:`e^{G_{\\text{end}} - G_{\\text{start}}} \\le 1`
   (every exponent is :math:`\\le 0`, so nothing overflows however long the sequence);
-  time :math:`O(N C D d_v)`, linear in :math:`N`, with a Python loop over chunks only.
+  time :math:`O(N C D d_v)`, linear in :math:`N`: every chunk at once in batched
+  products, and the state scan over the :math:`n_c` chunks in a function with its own
+  backward (``_DecayScan``), so autograd never records a loop.
   :func:`gated_attention` divides it with a sign-keeping floor.
 * :func:`gated_sums_naive` / :func:`gated_attention_naive` are the recurrence above, one
   position at a time (the references the tests compare with, outputs and gradients).
@@ -64,6 +66,43 @@ def _gates(log_g: torch.Tensor, skip: torch.Tensor | None) -> tuple[torch.Tensor
         return log_g, -torch.expm1(log_g)
     log_g = log_g.masked_fill(skip, 0.0)
     return log_g, (-torch.expm1(log_g)).masked_fill(skip, 0.0)
+
+
+class _DecayScan(torch.autograd.Function):
+    """States before each chunk of :math:`S_{c+1} = \\delta_c S_c + U_c` (:math:`S_0 = 0`,
+    :math:`\\delta_c = e^{T_c} \\le 1`), with its own backward, so that the loop over the
+    :math:`n_c` chunks runs without autograd (slicing inside a recorded loop would make
+    every slice's backward allocate a full-size gradient).
+
+    Backward, with :math:`\\bar S_c` the gradient of the returned state :math:`c`:
+    :math:`A_{n_c - 1} = \\bar S_{n_c - 1}`, :math:`A_c = \\bar S_c + \\delta_c A_{c+1}`;
+    then :math:`\\bar U_c = A_{c+1}` (:math:`\\bar U_{n_c - 1} = 0`) and
+    :math:`\\bar T_c = \\delta_c \\langle S_c, A_{c+1} \\rangle`.
+    """
+
+    @staticmethod
+    def forward(ctx, u, log_decay):  # type: ignore[no-untyped-def, override]
+        decay = log_decay.exp()  # [B, H, n_c]
+        states = torch.empty_like(u)
+        states[:, :, 0] = 0.0
+        for i in range(u.shape[2] - 1):  # n_c small updates in place, no autograd inside
+            torch.addcmul(u[:, :, i], states[:, :, i], decay[:, :, i, None, None], out=states[:, :, i + 1])
+        ctx.save_for_backward(states, decay)
+        return states
+
+    @staticmethod
+    def backward(ctx, s_bar):  # type: ignore[no-untyped-def, override]
+        states, decay = ctx.saved_tensors
+        n_c = states.shape[2]
+        acc = torch.empty_like(states)  # acc[c] = A_c, the total gradient of state c
+        acc[:, :, -1] = s_bar[:, :, -1]
+        for i in range(n_c - 2, -1, -1):
+            torch.addcmul(s_bar[:, :, i], acc[:, :, i + 1], decay[:, :, i, None, None], out=acc[:, :, i])
+        u_bar = torch.zeros_like(states)
+        u_bar[:, :, :-1] = acc[:, :, 1:]
+        t_bar = torch.zeros_like(decay)
+        t_bar[:, :, :-1] = decay[:, :, :-1] * (states[:, :, :-1] * acc[:, :, 1:]).sum(dim=(-2, -1))
+        return u_bar, t_bar
 
 
 def gated_sums(
@@ -110,8 +149,10 @@ def gated_sums(
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise InputError(f"chunk_size: expected an integer >= 1, got {chunk_size!r}")
-    b, h, n, d_feat = phi_q.shape
+    b, h, n, _ = phi_q.shape
     dv = v.shape[-1]
+    if n == 0:
+        return phi_q.new_zeros(b, h, 0, dv), phi_q.new_zeros(b, h, 0)
     skip = _skipped(log_g, key_padding_mask)
     bad = ~(torch.isfinite(phi_k).all(-1) & torch.isfinite(v).all(-1) & torch.isfinite(log_g))  # [B, H, N]
     if skip is not None:
@@ -125,26 +166,30 @@ def gated_sums(
     if skip is not None:
         fk = fk.masked_fill(skip.unsqueeze(-1), 0.0)
         v = v.masked_fill(skip.unsqueeze(-1), 0.0)
-    kv = phi_q.new_zeros(b, h, d_feat, dv)
-    z = phi_q.new_zeros(b, h, d_feat)
-    tri = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=phi_q.device).tril()
-    nums, dens = [], []
-    for start in range(0, n, chunk_size):  # a loop over chunks, not positions
-        stop = min(start + chunk_size, n)
-        c = stop - start
-        qc, kc, vc = phi_q[:, :, start:stop], fk[:, :, start:stop], v[:, :, start:stop]
-        g_cum = log_g[:, :, start:stop].cumsum(-1)  # [B, H, C]: G_t - G_{start-1}
-        gap = (g_cum.unsqueeze(-1) - g_cum.unsqueeze(-2)).masked_fill(~tri[:c, :c], float("-inf"))
-        a = (qc @ kc.transpose(-1, -2)) * gap.exp()  # [B, H, C, C]: decay e^{G_t - G_j} on j <= t
-        past = g_cum.exp()  # [B, H, C]: decay of the carried state to position t
-        nums.append(a @ vc + (qc @ kv) * past.unsqueeze(-1))
-        dens.append(a.sum(-1) + (qc @ z.unsqueeze(-1)).squeeze(-1) * past)
-        to_end = (g_cum[..., -1:] - g_cum).exp()  # [B, H, C]: e^{G_end - G_j}
-        kc_end = kc * to_end.unsqueeze(-1)
-        total = g_cum[..., -1].exp()  # [B, H]
-        kv = kv * total[..., None, None] + kc_end.transpose(-1, -2) @ vc
-        z = z * total[..., None] + kc_end.sum(-2)
-    num, den = torch.cat(nums, dim=2), torch.cat(dens, dim=2)
+    log_g = log_g.expand(b, h, n)
+    c = min(chunk_size, max(n, 1))
+    extra = -n % c
+    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, N, dv + 1]: z is the last column
+    qf = phi_q
+    if extra:  # after the end: no key, gate 1; their rows are dropped below
+        qf, fk, v1 = (torch.nn.functional.pad(t, (0, 0, 0, extra)) for t in (qf, fk, v1))
+        log_g = torch.nn.functional.pad(log_g, (0, extra))
+    n_c = (n + extra) // c
+    qc = qf.unflatten(2, (n_c, c))  # [B, H, n_c, C, D]
+    kc = fk.unflatten(2, (n_c, c))
+    vc = v1.unflatten(2, (n_c, c))  # [B, H, n_c, C, dv + 1]
+    g_cum = log_g.unflatten(2, (n_c, c)).cumsum(-1)  # [B, H, n_c, C]: G_t - G_(chunk start - 1)
+    tri = torch.ones(c, c, dtype=torch.bool, device=phi_q.device).tril()
+    gap = (g_cum.unsqueeze(-1) - g_cum.unsqueeze(-2)).masked_fill(~tri, float("-inf"))
+    a = (qc @ kc.transpose(-1, -2)) * gap.exp()  # [B, H, n_c, C, C]: e^{G_t - G_j} on j <= t
+    total = g_cum[..., -1]  # [B, H, n_c]: log of the chunk's whole decay
+    to_end = (total.unsqueeze(-1) - g_cum).exp()  # [B, H, n_c, C]: e^{G_end - G_j}
+    u = (kc * to_end.unsqueeze(-1)).transpose(-1, -2) @ vc  # [B, H, n_c, D, dv + 1]: chunk at its end
+    states = _DecayScan.apply(u, total)  # [B, H, n_c, D, dv + 1]: everything before each chunk
+    out = a @ vc + (qc @ states) * g_cum.exp().unsqueeze(-1)  # [B, H, n_c, C, dv + 1]
+    out = out.flatten(2, 3)[:, :, :n]
+    num, den = out.split([dv, 1], dim=-1)
+    den = den.squeeze(-1)
     if poison is not None:
         num = num.masked_fill(poison.unsqueeze(-1), float("nan"))
         den = den.masked_fill(poison, float("nan"))
