@@ -176,8 +176,9 @@ class RFAGateAttention(AttentionEstimator):
     :math:`(1 - g_j) \\prod_{j < i \\le t} g_i \\; \\phi(q_t)^\\top\\phi(k_j)`.
 
     The recurrence is computed in chunks (:func:`~kernelattn_fourier.gate.gated_sums`,
-    decays :math:`e^{G_t - G_j} \\le 1` from cumulative log-gates, a Python loop over
-    chunks only), linear in :math:`N`; :func:`~kernelattn_fourier.gate.gated_sums_naive`
+    decays :math:`e^{G_t - G_j} \\le 1` from cumulative log-gates, all chunks in batched
+    products and the chunk-state scan with its own backward), linear in :math:`N` in
+    training too; :func:`~kernelattn_fourier.gate.gated_sums_naive`
     is the per-position reference the tests compare it with.
 
     **Causal only.** The gate orders the keys in time, so the paper defines RFA-Gate in

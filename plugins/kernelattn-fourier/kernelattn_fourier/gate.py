@@ -115,7 +115,7 @@ def gated_sums(
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Numerator :math:`\\phi(q_t)^\\top S_t` and denominator :math:`\\phi(q_t)^\\top z_t`
-    of RFA-Gate (fast, chunked; no per-position Python loop).
+    of RFA-Gate (fast, chunked; no loop recorded by autograd).
 
     .. math::
         \\phi(q_t)^\\top S_t = \\sum_{j \\le t} (1 - g_j)\\, e^{G_t - G_j}\\,
