@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 from typing import ClassVar
 
 import torch
@@ -16,7 +17,7 @@ from kernelattn_core.redraw import RedrawPolicy
 from kernelattn_core.validation import check_key_padding_mask, check_positive_int, check_qkv
 
 from .feature_maps import RFAFeatures, TrigSoftmaxFeatures
-from .gate import Gate, gated_sums
+from .gate import Gate, GateState, gated_sums_state
 from .normalizers import SignedRowNormalizer
 
 
@@ -300,8 +301,58 @@ class RFAGateAttention(AttentionEstimator):
         _refuse_noncausal(causal)
         return super().forward(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
 
+    def step(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        state: GateState | None = None,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, GateState]:
+        """Causal attention of new positions given the state of the earlier ones (decoding).
+
+        Parameters
+        ----------
+        q, k, v : Tensor ``[B, H, T, d]``, ``[B, H, T, d]``, ``[B, H, T, dv]``
+            The next ``T`` positions (``T = 1`` token by token).
+        state : GateState, optional
+            Returned by the previous call; ``None`` starts a sequence.
+        key_padding_mask : Tensor ``[B, T]`` of bool, optional
+            Padding among the new positions (they keep the state).
+
+        Returns
+        -------
+        out : Tensor ``[B, H, T, dv]``
+            Equal to the last ``T`` rows of ``forward(..., causal=True)`` over the whole
+            sequence so far; memory and time per call do not grow with the sequence.
+        state : GateState
+            :math:`[S_t, z_t]` after the last new position. No redraw happens between
+            steps.
+        """
+        check_qkv(q, k, v)
+        if q.shape[2] != k.shape[2]:
+            raise InputError(f"k: expected as many new keys as new queries ({q.shape[2]}), got {k.shape[2]}")
+        if state is not None and not isinstance(state, GateState):
+            raise InputError(f"state: expected None or the GateState of the previous step, got {type(state).__name__}")
+        mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
+        root = math.sqrt(self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+        return self._run(q * root, k * root, v, mask, state, redraw=False)
+
     def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
         _refuse_noncausal(causal)
+        return self._run(q, k, v, key_padding_mask, None, redraw=True)[0]
+
+    def _run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        state: GateState | None,
+        *,
+        redraw: bool,
+    ) -> tuple[torch.Tensor, GateState]:
         out_dtype = v.dtype
         work = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype  # sums in float32
         q, k, v = q.to(work), k.to(work), v.to(work)
@@ -314,13 +365,16 @@ class RFAGateAttention(AttentionEstimator):
         fm = self.feature_map
         if not fm.built:
             self.redraw_policy.initial(fm, q.shape[-1])
-        self.redraw_policy.before_forward(fm, self.training)
+        if redraw:
+            self.redraw_policy.before_forward(fm, self.training)
         fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=True)
         phi_q, phi_k = fm.query(q).to(work), fm.key(k).to(work)  # [B, H, N, 2m]
         log_g = self.gate(k)  # [B, H, N]
         self.last_backend = "torch"
-        num, den = gated_sums(phi_q, phi_k, v, log_g, key_padding_mask=key_padding_mask, chunk_size=self.chunk_size)
-        return self.normalizer.post(self.normalizer.normalize(num, den)).to(out_dtype)
+        num, den, state = gated_sums_state(
+            phi_q, phi_k, v, log_g, key_padding_mask=key_padding_mask, chunk_size=self.chunk_size, state=state
+        )
+        return self.normalizer.post(self.normalizer.normalize(num, den)).to(out_dtype), state
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, chunk_size={self.chunk_size}"

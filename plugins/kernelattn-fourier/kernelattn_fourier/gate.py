@@ -37,6 +37,7 @@ so the state passes through unchanged whatever the padded values are.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -69,7 +70,7 @@ def _gates(log_g: torch.Tensor, skip: torch.Tensor | None) -> tuple[torch.Tensor
 
 
 class _DecayScan(torch.autograd.Function):
-    """States before each chunk of :math:`S_{c+1} = \\delta_c S_c + U_c` (:math:`S_0 = 0`,
+    """States before each chunk of :math:`S_{c+1} = \\delta_c S_c + U_c` (:math:`S_0` given,
     :math:`\\delta_c = e^{T_c} \\le 1`), with its own backward, so that the loop over the
     :math:`n_c` chunks runs without autograd (slicing inside a recorded loop would make
     every slice's backward allocate a full-size gradient).
@@ -77,14 +78,14 @@ class _DecayScan(torch.autograd.Function):
     Backward, with :math:`\\bar S_c` the gradient of the returned state :math:`c`:
     :math:`A_{n_c - 1} = \\bar S_{n_c - 1}`, :math:`A_c = \\bar S_c + \\delta_c A_{c+1}`;
     then :math:`\\bar U_c = A_{c+1}` (:math:`\\bar U_{n_c - 1} = 0`) and
-    :math:`\\bar T_c = \\delta_c \\langle S_c, A_{c+1} \\rangle`.
+    :math:`\\bar T_c = \\delta_c \\langle S_c, A_{c+1} \\rangle`, :math:`\\bar S_0 = A_0`.
     """
 
     @staticmethod
-    def forward(ctx, u, log_decay):  # type: ignore[no-untyped-def, override]
+    def forward(ctx, u, log_decay, s0):  # type: ignore[no-untyped-def, override]
         decay = log_decay.exp()  # [B, H, n_c]
         states = torch.empty_like(u)
-        states[:, :, 0] = 0.0
+        states[:, :, 0] = s0
         for i in range(u.shape[2] - 1):  # n_c small updates in place, no autograd inside
             torch.addcmul(u[:, :, i], states[:, :, i], decay[:, :, i, None, None], out=states[:, :, i + 1])
         ctx.save_for_backward(states, decay)
@@ -102,7 +103,28 @@ class _DecayScan(torch.autograd.Function):
         u_bar[:, :, :-1] = acc[:, :, 1:]
         t_bar = torch.zeros_like(decay)
         t_bar[:, :, :-1] = decay[:, :, :-1] * (states[:, :, :-1] * acc[:, :, 1:]).sum(dim=(-2, -1))
-        return u_bar, t_bar
+        return u_bar, t_bar, acc[:, :, 0].clone()
+
+
+@dataclass
+class GateState:
+    """What RFA-Gate carries from one call to the next (decoding with
+    :meth:`~kernelattn_fourier.estimators.RFAGateAttention.step`).
+
+    Attributes
+    ----------
+    kv : Tensor ``[B, H, D, dv + 1]``
+        :math:`[S_t, z_t]`: the gated sums over every position seen so far (the last
+        column is :math:`z_t`). Differentiable.
+    length : int
+        Positions consumed.
+    poisoned : Tensor ``[B, H]`` of bool, optional
+        A non-finite key, value or gate was consumed: every later row is NaN.
+    """
+
+    kv: torch.Tensor
+    length: int
+    poisoned: torch.Tensor | None = None
 
 
 def gated_sums(
@@ -147,12 +169,39 @@ def gated_sums(
     num : Tensor ``[B, H, N, dv]``
     den : Tensor ``[B, H, N]``
     """
+    num, den, _ = gated_sums_state(
+        phi_q, phi_k, v, log_g, key_padding_mask=key_padding_mask, chunk_size=chunk_size, state=None
+    )
+    return num, den
+
+
+def gated_sums_state(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    log_g: torch.Tensor,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    state: GateState | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, GateState]:
+    """:func:`gated_sums` continuing from ``state`` (the earlier positions; ``None``
+    starts a sequence), also returning the state after the last position: calls over
+    consecutive pieces of a sequence give the rows of one call over all of it."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise InputError(f"chunk_size: expected an integer >= 1, got {chunk_size!r}")
-    b, h, n, _ = phi_q.shape
+    b, h, n, d_feat = phi_q.shape
     dv = v.shape[-1]
+    if state is not None and tuple(state.kv.shape) != (b, h, d_feat, dv + 1):
+        raise InputError(
+            f"state: expected a GateState of kv shape {(b, h, d_feat, dv + 1)} (B, H, D, dv + 1) for these "
+            f"inputs, got {tuple(state.kv.shape)}"
+        )
+    s0 = phi_q.new_zeros(b, h, d_feat, dv + 1) if state is None else state.kv.to(phi_q.dtype)
+    carried = None if state is None else state.poisoned
+    length = (0 if state is None else state.length) + n
     if n == 0:
-        return phi_q.new_zeros(b, h, 0, dv), phi_q.new_zeros(b, h, 0)
+        return phi_q.new_zeros(b, h, 0, dv), phi_q.new_zeros(b, h, 0), GateState(s0, length, carried)
     skip = _skipped(log_g, key_padding_mask)
     bad = ~(torch.isfinite(phi_k).all(-1) & torch.isfinite(v).all(-1) & torch.isfinite(log_g))  # [B, H, N]
     if skip is not None:
@@ -161,6 +210,10 @@ def gated_sums(
     if bool(bad.any()):
         poison = bad.cumsum(-1) > 0  # [B, H, N]: rows at or after a non-finite position
         skip = bad if skip is None else skip | bad
+        carried = bad.any(-1) if carried is None else carried | bad.any(-1)
+    if state is not None and state.poisoned is not None:  # consumed by an earlier call
+        earlier = state.poisoned[..., None].expand(b, h, n)
+        poison = earlier if poison is None else poison | earlier
     log_g, upd = _gates(log_g, skip)
     fk = phi_k * upd.unsqueeze(-1)  # [B, H, N, D]: (1 - g_j) phi(k_j)
     if skip is not None:
@@ -185,15 +238,16 @@ def gated_sums(
     total = g_cum[..., -1]  # [B, H, n_c]: log of the chunk's whole decay
     to_end = (total.unsqueeze(-1) - g_cum).exp()  # [B, H, n_c, C]: e^{G_end - G_j}
     u = (kc * to_end.unsqueeze(-1)).transpose(-1, -2) @ vc  # [B, H, n_c, D, dv + 1]: chunk at its end
-    states = _DecayScan.apply(u, total)  # [B, H, n_c, D, dv + 1]: everything before each chunk
+    states = _DecayScan.apply(u, total, s0)  # [B, H, n_c, D, dv + 1]: everything before each chunk
     out = a @ vc + (qc @ states) * g_cum.exp().unsqueeze(-1)  # [B, H, n_c, C, dv + 1]
     out = out.flatten(2, 3)[:, :, :n]
     num, den = out.split([dv, 1], dim=-1)
     den = den.squeeze(-1)
+    s_final = states[:, :, -1] * total[:, :, -1].exp()[..., None, None] + u[:, :, -1]  # after the last chunk
     if poison is not None:
         num = num.masked_fill(poison.unsqueeze(-1), float("nan"))
         den = den.masked_fill(poison, float("nan"))
-    return num, den
+    return num, den, GateState(s_final, length, carried)
 
 
 def gated_attention(

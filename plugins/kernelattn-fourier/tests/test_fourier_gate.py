@@ -207,9 +207,10 @@ def test_decay_scan_gradcheck() -> None:
     g = torch.Generator().manual_seed(3)
     u = torch.randn(2, 1, 5, 3, 2, generator=g, dtype=torch.float64, requires_grad=True)
     log_decay = (-torch.rand(2, 1, 5, generator=g, dtype=torch.float64)).requires_grad_()
-    assert torch.autograd.gradcheck(_DecayScan.apply, (u, log_decay))
-    states = _DecayScan.apply(u, log_decay)  # S_0 = 0, S_{c+1} = e^{T_c} S_c + U_c
-    expected = torch.zeros_like(u[:, :, 0])
+    s0 = torch.randn(2, 1, 3, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(_DecayScan.apply, (u, log_decay, s0))
+    states = _DecayScan.apply(u, log_decay, s0)  # S_0 = s0, S_{c+1} = e^{T_c} S_c + U_c
+    expected = s0
     for c in range(5):
         torch.testing.assert_close(states[:, :, c], expected)
         expected = log_decay[:, :, c, None, None].exp() * expected + u[:, :, c]
@@ -235,3 +236,70 @@ def test_bad_gate_options_are_refused_naming_the_argument() -> None:
         ka.create("rfa-gate", num_heads=0)
     with pytest.raises(InputError, match="chunk_size"):
         ka.create("rfa-gate", chunk_size=0)
+
+
+@pytest.mark.parametrize("pieces", [[1] * 13, [3, 1, 4, 5], [13]])
+def test_step_equals_the_causal_call_on_outputs_and_gradients(pieces: list[int]) -> None:
+    """Token by token, in uneven pieces, or at once (chunk 4, so pieces cross chunks),
+    with padding inside a piece: the rows of one causal call; gradients through the
+    carried state reach the earlier positions and the gate and scale parameters."""
+    est = _gated_estimator(chunk_size=4)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 2, 13, s, generator=g, dtype=torch.float64, requires_grad=True) for s in (6, 6, 3))
+    mask = torch.zeros(2, 13, dtype=torch.bool)
+    mask[0, 5], mask[1, 9:] = True, True
+    full = est(q, k, v, causal=True, key_padding_mask=mask)
+    outs, state, start = [], None, 0
+    for t in pieces:
+        sl = slice(start, start + t)
+        out, state = est.step(q[:, :, sl], k[:, :, sl], v[:, :, sl], state, key_padding_mask=mask[:, sl])
+        outs.append(out)
+        start += t
+    stepped = torch.cat(outs, dim=2)
+    assert state.length == 13
+    torch.testing.assert_close(stepped, full, rtol=1e-11, atol=1e-12)
+    params = [q, k, v, est.gate.weight, est.gate.bias, est.feature_map.log_scale]
+    w = torch.randn(full.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad((stepped * w).sum(), params), torch.autograd.grad((full * w).sum(), params)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_step_carries_a_consumed_non_finite_value_to_later_calls_only() -> None:
+    est = _gated_estimator(chunk_size=4)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 8, s, generator=g, dtype=torch.float64) for s in (6, 6, 3))
+    v[0, 1, 3] = float("nan")
+    first, state = est.step(q[:, :, :5], k[:, :, :5], v[:, :, :5])
+    later, _ = est.step(q[:, :, 5:], k[:, :, 5:], v[:, :, 5:], state)
+    assert bool(torch.isfinite(first[0, :, :3]).all()) and bool(torch.isfinite(first[0, 0]).all())
+    assert bool(torch.isnan(first[0, 1, 3:]).all()) and bool(torch.isnan(later[0, 1]).all())
+    assert bool(torch.isfinite(later[0, 0]).all())  # the other head never saw it
+
+
+def test_step_refuses_a_foreign_state_naming_state() -> None:
+    from kernelattn_core.errors import InputError
+
+    est = _gated_estimator(chunk_size=4)
+    q = torch.randn(1, 2, 3, 6, dtype=torch.float64)
+    with pytest.raises(InputError, match="state"):
+        est.step(q, q, q[..., :3], state=("not", "a", "state"))  # type: ignore[arg-type]
+    _, state = est.step(q, q, q[..., :3])
+    with pytest.raises(InputError, match="state"):
+        est.step(q, q, q, state)  # dv changed: another state shape
+
+
+def test_kernel_attention_decodes_rfa_gate_with_a_constant_size_state() -> None:
+    from kernelattn_fourier.gate import GateState
+
+    import kernelattn_core as ka
+
+    torch.manual_seed(0)
+    attn = ka.KernelAttention(12, 2, estimator="rfa-gate", num_features=8, seed=0, causal=True).double()
+    x = torch.randn(2, 7, 12, dtype=torch.float64)
+    full, _ = attn(x)
+    outs, state = [], None
+    for t in range(7):
+        out, state = attn.step(x[:, t : t + 1], state)
+        assert isinstance(state, GateState) and state.kv.shape == (2, 2, 16, 7)  # D = 2m, dv + 1
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=1e-11, atol=1e-12)
