@@ -68,6 +68,29 @@ def _components(means: torch.Tensor | None, factors: torch.Tensor | None) -> int
     return 1 if factors is None else int(factors.shape[0])
 
 
+def _pairwise_quad(
+    q: torch.Tensor, k: torch.Tensor, factors: torch.Tensor | None, bandwidth: float, sign: float
+) -> torch.Tensor:
+    """:math:`\\|A_c^\\top (q_i + \\text{sign}\\, k_j)\\|^2` ``[..., N, M, C]``, expanded as
+    :math:`\\|A_c^\\top q_i\\|^2 + \\|A_c^\\top k_j\\|^2 + 2\\,\\text{sign}\\,(A_c^\\top q_i)^\\top (A_c^\\top k_j)`
+    (one batched product per component) instead of forming the ``[..., N, M, d]``
+    differences: memory :math:`O(N M C)` instead of :math:`O(N M d)` (at N = M = 4096,
+    d = 64, four heads in float64 the differences alone needed 32 GiB). Clamped at 0
+    against round-off."""
+    pq = _transpose_apply(factors, q, bandwidth)  # [..., N, C, d]
+    pk = _transpose_apply(factors, k, bandwidth)  # [..., M, C, d]
+    cross = torch.einsum("...ncd,...mcd->...nmc", pq, pk)  # [..., N, M, C]
+    qq = pq.pow(2).sum(-1).unsqueeze(-2)  # [..., N, 1, C]
+    kk = pk.pow(2).sum(-1).unsqueeze(-3)  # [..., 1, M, C]
+    return (qq + kk + (2.0 * sign) * cross).clamp_min(0.0)
+
+
+def _pairwise_phase(q: torch.Tensor, k: torch.Tensor, means: torch.Tensor, sign: float) -> torch.Tensor:
+    """:math:`\\mu_c^\\top (q_i + \\text{sign}\\, k_j)` ``[..., N, M, C]``."""
+    mu = means.to(q.dtype).transpose(0, 1)  # [d, C]
+    return (q @ mu).unsqueeze(-2) + sign * (k @ mu).unsqueeze(-3)
+
+
 def _check_dim(name: str, t: torch.Tensor | None, d: int) -> None:
     if t is not None and t.shape[1] != d:
         raise InputError(f"{name}: expected dimension d = {d} (the inputs' last dimension), got shape {tuple(t.shape)}")
@@ -146,17 +169,35 @@ class SpectralMixtureKernel(ShiftInvariantKernel):
         d = q.shape[-1]
         _check_dim("means", self.means, d)
         _check_dim("factors", self.factors, d)
-        delta = q.unsqueeze(-2) - k.unsqueeze(-3)  # [..., N, M, d]
-        if allowed is not None:
-            delta = delta.masked_fill(~allowed.unsqueeze(-1), 0.0)
-        expo = -0.5 * _transpose_apply(self.factors, delta, self.bandwidth).pow(2).sum(-1)  # [..., N, M, C]
+        # a non-finite q_i or k_j enters no product (in the pairwise expansion it would
+        # reach every gradient through 0 * NaN); the pairs that see it are set to NaN below
+        bad_q, bad_k = ~torch.isfinite(q).all(-1), ~torch.isfinite(k).all(-1)  # [..., N], [..., M]
+        hit = None
+        if bool(bad_q.any()) or bool(bad_k.any()):
+            q = q.masked_fill(bad_q.unsqueeze(-1), 0.0)
+            k = k.masked_fill(bad_k.unsqueeze(-1), 0.0)
+            hit = bad_q.unsqueeze(-1) | bad_k.unsqueeze(-2)  # [..., N, M]
+            if allowed is not None:
+                hit = hit & allowed
+        expo = -0.5 * _pairwise_quad(q, k, self.factors, self.bandwidth, -1.0)  # [..., N, M, C]
         if allowed is not None:
             expo = expo.masked_fill(~allowed.unsqueeze(-1), float("-inf"))
         top = expo.detach().amax(dim=(-2, -1), keepdim=True)  # [..., N, 1, 1]
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
         out = torch.exp(expo - top)
         if self.means is not None:
-            out = out * torch.cos(delta @ self.means.to(delta.dtype).transpose(0, 1))  # [..., N, M, C]
+            out = out * torch.cos(_pairwise_phase(q, k, self.means, -1.0))  # [..., N, M, C]
+        out = out.mean(-1)
+        return out if hit is None else out.masked_fill(hit, float("nan"))
+
+    def _evaluate(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """``[..., N, M]`` without forming the pairwise differences (see :func:`_pairwise_quad`)."""
+        d = q.shape[-1]
+        _check_dim("means", self.means, d)
+        _check_dim("factors", self.factors, d)
+        out = torch.exp(-0.5 * _pairwise_quad(q, k, self.factors, self.bandwidth, -1.0))  # [..., N, M, C]
+        if self.means is not None:
+            out = out * torch.cos(_pairwise_phase(q, k, self.means, -1.0))
         return out.mean(-1)
 
     def __repr__(self) -> str:
@@ -203,10 +244,9 @@ class GaussianPRFKernel(Kernel):
         d = q.shape[-1]
         _check_dim("means", self.means, d)
         _check_dim("factors", self.factors, d)
-        s = q.unsqueeze(-2) + k.unsqueeze(-3)  # [..., N, M, d]
-        expo = 0.5 * _transpose_apply(self.factors, s, self.bandwidth).pow(2).sum(-1)  # [..., N, M, C]
+        expo = 0.5 * _pairwise_quad(q, k, self.factors, self.bandwidth, 1.0)  # [..., N, M, C]: s = q + k
         if self.means is not None:
-            expo = expo + s @ self.means.to(s.dtype).transpose(0, 1)
+            expo = expo + _pairwise_phase(q, k, self.means, 1.0)
         norms = 0.5 * (q.pow(2).sum(-1).unsqueeze(-1) + k.pow(2).sum(-1).unsqueeze(-2))  # [..., N, M]
         return torch.logsumexp(expo, dim=-1) - math.log(expo.shape[-1]) - norms
 
