@@ -120,3 +120,29 @@ def test_meta_device_gives_a_clear_error() -> None:
     q = torch.empty(1, 1, 3, 4, device="meta")
     with pytest.raises(ka.InputError, match="meta"):
         ka.create("softmax")(q, q, q)
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "gaussian", "inv", "spectral-gmm"])
+@pytest.mark.parametrize("where", ["k", "v", "q"])
+def test_rows_that_see_no_bad_value_keep_their_gradients(kernel: str, where: str) -> None:
+    """A loss on the rows before a non-finite key, value (position 5) or query (row 5):
+    every gradient (q, k, v at all positions but the bad one) is finite and equal to the
+    clean input's. Before, the rows that see the value were NaN and sent 0 * NaN back
+    through their own normaliser into every earlier row's gradients."""
+    q, k, v = qkv(n=8, d=4, scale=0.3, dtype=torch.float64)
+    est = ka.create(kernel) if kernel not in ("softmax",) else ka.ExactAttention("softmax")
+    est = est.double()
+    dirty = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
+    dirty[where][..., 5, :] = float("nan")
+    clean = [t.clone().requires_grad_() for t in (q, k, v)]
+    bad = [dirty[n].requires_grad_() for n in "qkv"]
+    out_c, out_d = est(*clean, causal=True), est(*bad, causal=True)
+    torch.testing.assert_close(out_d[..., :5, :], out_c[..., :5, :])
+    assert bool(torch.isnan(out_d[..., 5, :]).all())  # the row that sees it is NaN
+    g_c = torch.autograd.grad(out_c[..., :5, :].sum(), clean)
+    g_d = torch.autograd.grad(out_d[..., :5, :].sum(), bad)
+    keep = torch.ones(8, dtype=torch.bool)
+    keep[5] = False
+    for a, b in zip(g_d, g_c):
+        assert bool(torch.isfinite(a[..., keep, :]).all())
+        torch.testing.assert_close(a[..., keep, :], b[..., keep, :], rtol=1e-10, atol=1e-12)
