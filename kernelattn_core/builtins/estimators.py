@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.backends import Problem, attend_features, select_backend
-from ..engine.naive import allowed_pairs
+from ..engine.naive import allowed_pairs, quarantine_non_finite
 from ..engine.torch_backend import CausalState, compute_dtype, feature_attention_step
 from ..errors import InputError
 from ..interfaces.estimator import AttentionEstimator
@@ -57,29 +57,6 @@ def resolve_kernel(kernel: Kernel | str, options: dict[str, Any]) -> Kernel:
 
 def _all_finite(*tensors: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
-
-
-def _quarantine(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``q, k, v`` with every non-finite query row, key row and value row replaced by 0,
-    and the ``[B, H, N]`` rows that must be NaN (a non-finite query of their own, or an
-    *allowed* key or value that is not finite); ``None`` when all are finite.
-
-    The products then see finite numbers only, so a NaN row cannot send
-    :math:`0 \\cdot \\mathrm{NaN}` back into the gradients of the other rows through its
-    normaliser (a future NaN key made every earlier row's ``q.grad`` NaN); the rows that
-    see a non-finite value are set to NaN afterwards, as exact attention gives them.
-    """
-    if _all_finite(q, k, v):
-        return q, k, v, None
-    bad_q = ~torch.isfinite(q).all(-1)  # [B, H, N]
-    bad_k = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [B, H, M]
-    q = q.masked_fill(bad_q.unsqueeze(-1), 0.0)
-    k = k.masked_fill(bad_k.unsqueeze(-1), 0.0)
-    v = v.masked_fill(bad_k.unsqueeze(-1), 0.0)
-    seen = bad_k.unsqueeze(-2) if allowed is None else allowed & bad_k.unsqueeze(-2)  # [B, H, N|1, M]
-    return q, k, v, bad_q | seen.any(-1)
 
 
 def _weighted_values(w: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
@@ -167,7 +144,7 @@ class ExactAttention(AttentionEstimator):
             return self._sdpa(q, k, v32, causal, key_padding_mask).to(v.dtype)
         self.last_backend = "naive"
         allowed = allowed_pairs(q.shape[-2], k.shape[-2], causal, key_padding_mask, q.device)  # [B|1, 1, N, M]
-        q, k, v32, poison = _quarantine(q, k, v32, allowed)
+        q, k, v32, poison = quarantine_non_finite(q, k, v32, allowed)
         logits = self.kernel.log_evaluate(q, k)  # [B, H, N, M] or None
         if logits is None:
             w = self.kernel.row_scaled_matrix(q, k, allowed)  # [B, H, N, M], 0 outside allowed

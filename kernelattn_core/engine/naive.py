@@ -21,6 +21,37 @@ def allowed_pairs(
     return allowed
 
 
+def quarantine_non_finite(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``q, k, v`` with every non-finite query row, key row and value row replaced by 0,
+    and the ``[B, H, N]`` rows that must be NaN (a non-finite query of their own, or an
+    *allowed* key or value that is not finite); ``None`` when all are finite.
+
+    The products then see finite numbers only, so a NaN row cannot send
+    :math:`0 \\cdot \\mathrm{NaN}` back into the gradients of the other rows through its
+    normaliser (a future NaN key made every earlier row's ``q.grad`` NaN); the rows that
+    see a non-finite value are set to NaN afterwards, as exact attention gives them.
+    Used by exact attention and the quadratic sampling estimators (``ra``); the linear
+    engine does the same inside :func:`~kernelattn_core.engine.torch_backend.feature_attention_torch`.
+
+    Parameters
+    ----------
+    q, k, v : Tensor ``[B, H, N, d]``, ``[B, H, M, d]``, ``[B, H, M, dv]``
+    allowed : Tensor of bool ``[B or 1, 1, N, M]`` or None
+        :func:`allowed_pairs` (``None``: every query sees every key).
+    """
+    if all(bool(torch.isfinite(t).all()) for t in (q, k, v)):
+        return q, k, v, None
+    bad_q = ~torch.isfinite(q).all(-1)  # [B, H, N]
+    bad_k = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [B, H, M]
+    q = q.masked_fill(bad_q.unsqueeze(-1), 0.0)
+    k = k.masked_fill(bad_k.unsqueeze(-1), 0.0)
+    v = v.masked_fill(bad_k.unsqueeze(-1), 0.0)
+    seen = bad_k.unsqueeze(-2) if allowed is None else allowed & bad_k.unsqueeze(-2)  # [B, H, N|1, M]
+    return q, k, v, bad_q | seen.any(-1)
+
+
 def feature_attention_naive(
     phi_q: torch.Tensor,
     phi_k: torch.Tensor,

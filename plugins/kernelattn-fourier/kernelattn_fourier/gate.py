@@ -211,6 +211,10 @@ def gated_sums_state(
         poison = bad.cumsum(-1) > 0  # [B, H, N]: rows at or after a non-finite position
         skip = bad if skip is None else skip | bad
         carried = bad.any(-1) if carried is None else carried | bad.any(-1)
+    bad_q = ~torch.isfinite(phi_q).all(-1)  # [B, H, N]: a non-finite query spoils its own row only
+    if bool(bad_q.any()):
+        phi_q = phi_q.masked_fill(bad_q.unsqueeze(-1), 0.0)  # kept out of the products (and gradients)
+        poison = bad_q if poison is None else poison | bad_q
     if state is not None and state.poisoned is not None:  # consumed by an earlier call
         earlier = state.poisoned[..., None].expand(b, h, n)
         poison = earlier if poison is None else poison | earlier

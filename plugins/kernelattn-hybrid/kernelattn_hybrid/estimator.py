@@ -170,12 +170,16 @@ class SlidingWindowAttention(AttentionEstimator):
             zero = dead.unsqueeze(-1)
         k = k.masked_fill(zero, 0.0)
         v = v.masked_fill(zero, 0.0)
+        # a non-finite query spoils its own row only: kept out of the products too, or its
+        # NaN row would send 0 * NaN into the keys' and values' gradients of every row
+        bad_q = ~torch.isfinite(q).all(-1)  # [B, H, N]
+        q = q.masked_fill(bad_q.unsqueeze(-1), 0.0)
         out = self._attend_finite(q, k, v, causal, key_padding_mask)
         if causal:
             poisoned = dead.cummax(-1).values[..., : q.shape[-2]]  # [B, H, N]: some earlier key is non-finite
         else:
             poisoned = dead.any(-1, keepdim=True).expand(q.shape[:-1])
-        return out.masked_fill(poisoned.unsqueeze(-1), float("nan"))
+        return out.masked_fill((poisoned | bad_q).unsqueeze(-1), float("nan"))
 
     def _attend_finite(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
         fm = self.feature_map

@@ -29,6 +29,7 @@ from kernelattn_core.claims import (
     SymbolicExpectation,
     UnbiasedAttention,
 )
+from kernelattn_core.engine.naive import allowed_pairs, quarantine_non_finite
 from kernelattn_core.engine.torch_backend import compute_dtype
 from kernelattn_core.redraw import RedrawPolicy, generator_for
 from kernelattn_core.validation import check_choice, check_positive_int
@@ -240,6 +241,11 @@ class RandomizedAttention(_SamplingEstimator):
         dtype = compute_dtype(q.dtype)
         q, k, v32 = q.to(dtype), k.to(dtype), v.to(dtype)
         k, v32 = fn.drop_padded(k, v32, key_padding_mask)
+        allowed = allowed_pairs(q.shape[2], k.shape[2], causal, key_padding_mask, q.device)
+        q, k, v32, poison = quarantine_non_finite(q, k, v32, allowed)  # NaN rows cannot reach other gradients
+        return _poison(self._ra(q, k, v32, causal, key_padding_mask), poison).to(v.dtype)
+
+    def _ra(self, q, k, v32, causal, key_padding_mask):  # type: ignore[no-untyped-def]
         fixed = not self.training and not self.eval_resample
         if use_blocks(q.shape[2], k.shape[2], self.num_features):  # memory-bounded, same estimator
             return ra_blocked(
@@ -253,7 +259,7 @@ class RandomizedAttention(_SamplingEstimator):
                 None if fixed else self.draws.next(),
                 noise=self.training or self.eval_noise,
                 counter_seed=int(self.eval_seed) if fixed else None,
-            ).to(v.dtype)
+            )
         probs = fn.softmax_probs(q, k, key_padding_mask, causal)  # [B, H, N, M]
         omega = fn.ra_samples(
             q,
@@ -266,7 +272,12 @@ class RandomizedAttention(_SamplingEstimator):
             noise=self.training or self.eval_noise,
             counter_seed=int(self.eval_seed) if fixed else None,
         )  # [B, H, N, S, d]
-        return fn.ra_from_samples(omega, k, v32, key_padding_mask, causal).to(v.dtype)
+        return fn.ra_from_samples(omega, k, v32, key_padding_mask, causal)
+
+
+def _poison(out: torch.Tensor, poison: torch.Tensor | None) -> torch.Tensor:
+    """``out [B, H, N, dv]`` with the rows that see a non-finite input set to NaN."""
+    return out if poison is None else out.masked_fill(poison.unsqueeze(-1), float("nan"))
 
 
 class RandomizedAttentionBiased(_SamplingEstimator):
@@ -309,13 +320,15 @@ class RandomizedAttentionBiased(_SamplingEstimator):
         dtype = compute_dtype(q.dtype)
         q, k, v32 = q.to(dtype), k.to(dtype), v.to(dtype)
         k, v32 = fn.drop_padded(k, v32, key_padding_mask)
+        allowed = allowed_pairs(q.shape[2], k.shape[2], causal, key_padding_mask, q.device)
+        q, k, v32, poison = quarantine_non_finite(q, k, v32, allowed)  # NaN rows cannot reach other gradients
         probs = fn.softmax_probs(q, k, key_padding_mask, causal)
         samples = self.num_features if self.training else 1
         generator = self.draws.next() if self.training else None
         omega = fn.ra_samples(
             q, k, probs, samples, self._sigma(q.shape[-1]), generator, sample_index=False, noise=self.training
         )
-        return fn.ra_from_samples(omega, k, v32, key_padding_mask, causal).to(v.dtype)
+        return _poison(fn.ra_from_samples(omega, k, v32, key_padding_mask, causal), poison).to(v.dtype)
 
 
 class RFASNIS(AttentionEstimator):
