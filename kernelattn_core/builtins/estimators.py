@@ -4,14 +4,13 @@ feature-map attention (linear in sequence length)."""
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from ..engine.backends import Problem, attend_features, select_backend
-from ..engine.naive import allowed_pairs, quarantine_non_finite
+from ..engine.naive import allowed_pairs, poison_rows, quarantine_non_finite
 from ..engine.torch_backend import CausalState, compute_dtype, feature_attention_step
 from ..errors import InputError
 from ..interfaces.estimator import AttentionEstimator
@@ -20,7 +19,7 @@ from ..interfaces.kernel import Kernel
 from ..interfaces.normalizer import Normalizer
 from ..lookup import resolve_class
 from ..redraw import RedrawPolicy
-from ..validation import check_key_padding_mask, check_positive_int, check_qkv
+from ..validation import check_positive_int
 from .kernels import SoftmaxKernel
 
 
@@ -157,9 +156,7 @@ class ExactAttention(AttentionEstimator):
             w = (logits - top).exp()
             den = w.sum(-1, keepdim=True)
         out = _weighted_values(w, v32, allowed) / torch.where(den == 0, torch.ones_like(den), den)
-        if poison is not None:
-            out = out.masked_fill(poison.unsqueeze(-1), float("nan"))
-        return out.to(v.dtype)
+        return poison_rows(out, poison).to(v.dtype)
 
     @staticmethod
     def _sdpa(q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
@@ -267,8 +264,8 @@ class FeatureMapAttention(AttentionEstimator):
 
     def transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scaled and pre-transformed ``(q, k)`` as the feature map sees them."""
-        s = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        return self.normalizer.pre(q * math.sqrt(s), k * math.sqrt(s))
+        root = self._input_root(q.shape[-1])
+        return self.normalizer.pre(q * root, k * root)
 
     def step(
         self,
@@ -299,12 +296,8 @@ class FeatureMapAttention(AttentionEstimator):
             The running sums, to pass to the next call. Uses the torch backend, in eval
             or training mode alike (no redraw happens between steps).
         """
-        check_qkv(q, k, v)
-        if q.shape[2] != k.shape[2]:
-            raise InputError(f"k: expected as many new keys as new queries ({q.shape[2]}), got {k.shape[2]}")
-        mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
-        s = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        q, k = self._pre(q * math.sqrt(s), k * math.sqrt(s), mask, True)
+        q, k, mask = self._step_inputs(q, k, v, key_padding_mask)
+        q, k = self._pre(q, k, mask, True)
         fm = self.feature_map
         if not fm.built:
             self.redraw_policy.initial(fm, q.shape[-1])

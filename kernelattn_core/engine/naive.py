@@ -52,6 +52,12 @@ def quarantine_non_finite(
     return q, k, v, bad_q | seen.any(-1)
 
 
+def poison_rows(out: torch.Tensor, poison: torch.Tensor | None) -> torch.Tensor:
+    """``out [B, H, N, dv]`` with the rows ``poison [B, H, N]`` (from
+    :func:`quarantine_non_finite`) set to NaN; ``out`` itself when ``poison`` is None."""
+    return out if poison is None else out.masked_fill(poison.unsqueeze(-1), float("nan"))
+
+
 def feature_attention_naive(
     phi_q: torch.Tensor,
     phi_k: torch.Tensor,

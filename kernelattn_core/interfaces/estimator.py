@@ -110,9 +110,27 @@ class AttentionEstimator(nn.Module, ABC):
                 )
         if q.numel() == 0 or k.numel() == 0:
             return _empty_output(q, k, v)
-        s = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        root = math.sqrt(s)
+        root = self._input_root(q.shape[-1])
         return self._attend(q * root, k * root, v, causal, mask)
+
+    def _input_root(self, d: int) -> float:
+        """:math:`\\sqrt{s}`, the factor applied to ``q`` and to ``k`` before
+        :meth:`_attend` (:math:`s` = ``scale``, :math:`1/\\sqrt{d}` by default), so that
+        :math:`\\langle\\sqrt{s}\\,q, \\sqrt{s}\\,k\\rangle = s\\,\\langle q, k\\rangle`."""
+        return math.sqrt(self.scale if self.scale is not None else 1.0 / math.sqrt(d))
+
+    def _step_inputs(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Checked inputs of a decoding ``step``: ``q`` and ``k`` of the same ``T`` new
+        positions, both multiplied by :meth:`_input_root` as :meth:`forward` does, and
+        the checked ``key_padding_mask [B, T]``."""
+        check_qkv(q, k, v)
+        if q.shape[2] != k.shape[2]:
+            raise InputError(f"k: expected as many new keys as new queries ({q.shape[2]}), got {k.shape[2]}")
+        mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
+        root = self._input_root(q.shape[-1])
+        return q * root, k * root, mask
 
     def attention_rows(
         self,
@@ -156,8 +174,7 @@ class AttentionEstimator(nn.Module, ABC):
             raise InputError(f"causal: estimator {self.name!r} is non-causal only; got causal=True")
         if q.numel() == 0 or k.numel() == 0:
             return q.new_zeros(q.shape[0], q.shape[1], rows.numel(), k.shape[2])
-        s = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        root = math.sqrt(s)
+        root = self._input_root(q.shape[-1])
         return self._attention_rows(q * root, k * root, rows.to(q.device), causal, mask)
 
     def _attention_rows(

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import inspect
-import math
 from typing import ClassVar
 
 import torch
@@ -330,14 +329,10 @@ class RFAGateAttention(AttentionEstimator):
             :math:`[S_t, z_t]` after the last new position. No redraw happens between
             steps.
         """
-        check_qkv(q, k, v)
-        if q.shape[2] != k.shape[2]:
-            raise InputError(f"k: expected as many new keys as new queries ({q.shape[2]}), got {k.shape[2]}")
+        q, k, mask = self._step_inputs(q, k, v, key_padding_mask)
         if state is not None and not isinstance(state, GateState):
             raise InputError(f"state: expected None or the GateState of the previous step, got {type(state).__name__}")
-        mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
-        root = math.sqrt(self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1]))
-        return self._run(q * root, k * root, v, mask, state, redraw=False)
+        return self._run(q, k, v, mask, state, redraw=False)
 
     def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
         _refuse_noncausal(causal)

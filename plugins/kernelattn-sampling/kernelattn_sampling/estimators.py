@@ -29,7 +29,7 @@ from kernelattn_core.claims import (
     SymbolicExpectation,
     UnbiasedAttention,
 )
-from kernelattn_core.engine.naive import allowed_pairs, quarantine_non_finite
+from kernelattn_core.engine.naive import allowed_pairs, poison_rows, quarantine_non_finite
 from kernelattn_core.engine.torch_backend import compute_dtype
 from kernelattn_core.redraw import RedrawPolicy, generator_for
 from kernelattn_core.validation import check_choice, check_positive_int
@@ -243,7 +243,7 @@ class RandomizedAttention(_SamplingEstimator):
         k, v32 = fn.drop_padded(k, v32, key_padding_mask)
         allowed = allowed_pairs(q.shape[2], k.shape[2], causal, key_padding_mask, q.device)
         q, k, v32, poison = quarantine_non_finite(q, k, v32, allowed)  # NaN rows cannot reach other gradients
-        return _poison(self._ra(q, k, v32, causal, key_padding_mask), poison).to(v.dtype)
+        return poison_rows(self._ra(q, k, v32, causal, key_padding_mask), poison).to(v.dtype)
 
     def _ra(self, q, k, v32, causal, key_padding_mask):  # type: ignore[no-untyped-def]
         fixed = not self.training and not self.eval_resample
@@ -273,11 +273,6 @@ class RandomizedAttention(_SamplingEstimator):
             counter_seed=int(self.eval_seed) if fixed else None,
         )  # [B, H, N, S, d]
         return fn.ra_from_samples(omega, k, v32, key_padding_mask, causal)
-
-
-def _poison(out: torch.Tensor, poison: torch.Tensor | None) -> torch.Tensor:
-    """``out [B, H, N, dv]`` with the rows that see a non-finite input set to NaN."""
-    return out if poison is None else out.masked_fill(poison.unsqueeze(-1), float("nan"))
 
 
 class RandomizedAttentionBiased(_SamplingEstimator):
@@ -328,7 +323,7 @@ class RandomizedAttentionBiased(_SamplingEstimator):
         omega = fn.ra_samples(
             q, k, probs, samples, self._sigma(q.shape[-1]), generator, sample_index=False, noise=self.training
         )
-        return _poison(fn.ra_from_samples(omega, k, v32, key_padding_mask, causal), poison).to(v.dtype)
+        return poison_rows(fn.ra_from_samples(omega, k, v32, key_padding_mask, causal), poison).to(v.dtype)
 
 
 class RFASNIS(AttentionEstimator):
