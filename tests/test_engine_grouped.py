@@ -1,6 +1,8 @@
-"""The grouped forward (no autograd, long sequences): features and attention per group
-of positions, against the one-shot torch path; non-finite values carried across groups
-and across decoding calls."""
+"""The grouped engine (``engine/grouped.py``): features and attention per group of
+positions, with its own backward. Checked against the one-shot torch path and the
+quadratic reference on outputs *and* gradients (inputs and map parameters), by
+``gradcheck`` in float64, and for what it must never do: form a whole-sequence feature
+tensor, let a masked, future or non-finite value reach another row's output or gradient."""
 
 from __future__ import annotations
 
@@ -8,86 +10,329 @@ import pytest
 import torch
 
 import kernelattn_core as ka
-from kernelattn_core.engine import torch_backend as tb
-from kernelattn_core.engine.torch_backend import feature_attention_grouped, feature_attention_step, group_length
+import kernelattn_core.engine.chunked as chunked
+from kernelattn_core.engine import grouped as grp
+from kernelattn_core.engine.grouped import group_length, grouped_feature_attention
+from kernelattn_core.engine.naive import feature_attention_naive
+from kernelattn_core.engine.torch_backend import feature_attention_step, feature_attention_torch
 
 F64 = torch.float64
 NAMES = ("prf", "elu", "rfa", "hcexp", "schoenbat", "trig-softmax", "rmf", "gmm-prf")
 
 
-def _est(name: str) -> ka.AttentionEstimator:
-    est = ka.create(name) if name == "elu" else ka.create(name, num_features=32, head_dim=8, seed=0)
+def _est(name: str, d: int = 8) -> ka.AttentionEstimator:
+    est = ka.create(name) if name == "elu" else ka.create(name, num_features=16, head_dim=d, seed=0)
     return est.double().eval()
 
 
-def _qkv(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _qkv(n: int, seed: int = 0, d: int = 8, dv: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(2, 3, n, 8, generator=g, dtype=F64) for _ in range(3))  # type: ignore[return-value]
+    q, k = (torch.randn(2, 3, n, d, generator=g, dtype=F64) for _ in range(2))
+    return q, k, torch.randn(2, 3, n, dv, generator=g, dtype=F64)
+
+
+def _mask(n: int) -> torch.Tensor:
+    mask = torch.zeros(2, n, dtype=torch.bool)
+    mask[0, :5] = True  # the first rows of batch 0 see no key at all (causal)
+    mask[1, n // 2 :] = True  # batch 1: the second half padded
+    return mask
+
+
+def _inputs(est: ka.AttentionEstimator, q: torch.Tensor, k: torch.Tensor, mask, causal):  # type: ignore[no-untyped-def]
+    """Scaled and pre-transformed q, k as the map sees them, the map prepared."""
+    s = est.scale or q.shape[-1] ** -0.5
+    qs, ks = q * s**0.5, k * s**0.5
+    if hasattr(est, "_pre"):
+        qs, ks = est._pre(qs, ks, mask, causal)
+    est.feature_map.prepare(qs.detach(), ks.detach(), key_padding_mask=mask, causal=causal)
+    return qs.detach(), ks.detach()
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """Row normalisation, invariant to the engines' per-row stabilisers."""
+    return num / torch.where(den == 0, torch.ones_like(den), den).unsqueeze(-1)
+
+
+def _run(fn, fm, q, k, v, weight):  # type: ignore[no-untyped-def]
+    """Output and the gradients of q, k, v and the map's trainable parameters."""
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    params = [p for p in fm.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    out = fn(*leaves)
+    (out * weight).sum().backward()
+    return [out, *(t.grad for t in leaves), *(p.grad.clone() for p in params)]
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", NAMES)
-def test_grouped_equals_one_shot_with_padding(name: str, causal: bool) -> None:
+def test_outputs_and_gradients_equal_the_one_shot_path(name: str, causal: bool) -> None:
     est = _est(name)
     if causal and not est.supports_causal:
         pytest.skip("non-causal estimator")
-    q, k, v = _qkv(300)
-    mask = torch.zeros(2, 300, dtype=torch.bool)
-    mask[1, 170:] = True
-    k[1, :, 250] = float("nan")  # padded: must not matter
-    ref = est(q, k, v, causal=causal, key_padding_mask=mask)  # autograd on: one-shot path
+    q, k, v = _qkv(150)
+    mask = _mask(150)
+    k[1, :, 120] = 3.0  # padded: must not matter (non-finite padding: its own test below)
+    v[1, :, 130] = -1e4
+    qs, ks = _inputs(est, q, k, mask, causal)
     fm = est.feature_map
-    s = est.scale or 8**-0.5
-    qs, ks = q * s**0.5, k * s**0.5
-    if hasattr(est, "_pre"):
-        qs, ks = est._pre(qs, ks, mask, causal)
-    for group in (64, 128, 320):  # several groups, a ragged last one, one group
-        num, den = feature_attention_grouped(
-            fm, qs, ks, v, causal=causal, key_padding_mask=mask, chunk_size=32, group=group
+    if name == "gmm-prf":  # learned spectral map: its parameters get gradients too
+        assert any(p.requires_grad for p in fm.parameters())
+    weight = torch.linspace(-1, 2, v.shape[-1], dtype=F64)
+    log = fm.log_space
+
+    def one_shot(a, b, c):  # type: ignore[no-untyped-def]
+        pq, pk = fm.raw_features(a, query=True), fm.raw_features(b, query=False)
+        num, den = feature_attention_torch(
+            pq, pk, c, log_space=log, causal=causal, key_padding_mask=mask, chunk_size=16
         )
-        out = est.normalizer.post(est.normalizer.normalize(num, den))
-        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+        return _ratio(num, den)
+
+    ref = _run(one_shot, fm, qs, ks, v, weight)
+    for group in (32, 64, 160):  # several groups and a ragged last one, one group
+        got = _run(
+            lambda a, b, c, group=group: _ratio(
+                *grouped_feature_attention(
+                    fm, a, b, c, causal=causal, key_padding_mask=mask, chunk_size=16, group=group
+                )
+            ),
+            fm,
+            qs,
+            ks,
+            v,
+            weight,
+        )
+        assert len(got) == len(ref)
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_no_grad_calls_take_the_grouped_path_and_agree(monkeypatch: pytest.MonkeyPatch, causal: bool) -> None:
+@pytest.mark.parametrize("log_space", [False, True])
+def test_gradients_equal_autograd_through_the_quadratic_reference(log_space: bool, causal: bool) -> None:
+    est = _est("prf" if log_space else "elu")
+    fm = est.feature_map
+    q, k, v = _qkv(40, seed=3)
+    mask = _mask(40)
+    weight = torch.linspace(-1, 2, v.shape[-1], dtype=F64)
+
+    def naive(a, b, c):  # type: ignore[no-untyped-def]
+        pq, pk = fm.raw_features(a, query=True), fm.raw_features(b, query=False)
+        return _ratio(*feature_attention_naive(pq, pk, c, log_space=log_space, causal=causal, key_padding_mask=mask))
+
+    def fast(a, b, c):  # type: ignore[no-untyped-def]
+        return _ratio(
+            *grouped_feature_attention(fm, a, b, c, causal=causal, key_padding_mask=mask, chunk_size=4, group=12)
+        )
+
+    for g, r in zip(_run(fast, fm, q, k, v, weight), _run(naive, fm, q, k, v, weight)):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", ["prf", "elu", "gmm-prf"])
+def test_gradcheck_float64_with_padding_and_all_masked_rows(name: str, causal: bool) -> None:
+    est = _est(name, d=4)
+    fm = est.feature_map
+    q, k, v = (t[:, :2] for t in _qkv(14, seed=4, d=4, dv=3))
+    mask = _mask(14)  # batch 0: rows 0-4 see no key (causal); batch 1: half padded
+    params = [p for p in fm.parameters() if p.requires_grad]
+
+    def f(a, b, c, *ps):  # type: ignore[no-untyped-def]
+        num, den = grouped_feature_attention(fm, a, b, c, causal=causal, key_padding_mask=mask, chunk_size=3, group=6)
+        return _ratio(num, den)
+
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    assert torch.autograd.gradcheck(f, (*leaves, *params), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_scale_and_normaliser_inside_the_groups(causal: bool) -> None:
+    """``scale`` and ``normalize`` applied group by group equal scaling the inputs and
+    normalising ``num`` and ``den`` afterwards, on outputs and gradients."""
     est = _est("prf")
-    q, k, v = _qkv(300, seed=1)
-    ref = est(q, k, v, causal=causal)
+    fm, norm = est.feature_map, est.normalizer
+    q, k, v = _qkv(100, seed=5)
+    mask = _mask(100)
+    weight = torch.linspace(-1, 2, v.shape[-1], dtype=F64)
+
+    def after(a, b, c):  # type: ignore[no-untyped-def]
+        num, den = grouped_feature_attention(fm, a * 0.7, b * 0.7, c, causal=causal, key_padding_mask=mask, group=32)
+        return norm.normalize(num, den)
+
+    def inside(a, b, c):  # type: ignore[no-untyped-def]
+        (out,) = grouped_feature_attention(
+            fm, a, b, c, causal=causal, key_padding_mask=mask, group=32, scale=0.7, normalize=norm.normalize
+        )
+        return out
+
+    for g, r in zip(_run(inside, fm, q, k, v, weight), _run(after, fm, q, k, v, weight)):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_no_grad_and_autograd_calls_agree(causal: bool) -> None:
+    est = _est("prf")
+    q, k, v = _qkv(90, seed=6)
+    with_grad = est(q.requires_grad_(True), k, v, causal=causal)
+    with torch.no_grad():
+        without = est(q, k, v, causal=causal)
+    assert with_grad.requires_grad and not without.requires_grad
+    assert torch.equal(with_grad.detach(), without)
+
+
+def test_estimators_run_through_the_grouped_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every torch-backend call, with or without autograd, goes through the grouped
+    engine, with the estimator's sqrt(scale) passed in rather than applied to the whole
+    inputs; a map with its own ``prepare`` gets the scaled inputs instead."""
     calls = []
-    real = tb.feature_attention_grouped
+    real = grp.grouped_feature_attention
 
     def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(kwargs.get("group"))
-        return real(*args, **kwargs, group=64)
+        calls.append(kwargs.get("scale"))
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(tb, "feature_attention_grouped", spy)
-    monkeypatch.setattr(tb, "GROUP_BYTES", 1024)
+    monkeypatch.setattr(grp, "grouped_feature_attention", spy)
+    q, k, v = _qkv(20, seed=7)
+    prf = _est("prf")
+    prf(q, k, v, causal=True)
     with torch.no_grad():
-        out = est(q, k, v, causal=causal)
-    assert calls == [None]
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    est(q, k, v, causal=causal)  # autograd on: the one-shot path, not grouped
-    assert calls == [None]
+        prf(q, k, v)
+    assert calls == [pytest.approx(8**-0.25)] * 2
+    _est("hcexp")(q, k, v)  # CEXP adapts its statistics in prepare: scaled inputs, scale 1
+    assert calls[-1] == 1.0
+
+
+def test_a_huge_later_key_changes_neither_earlier_outputs_nor_their_gradients() -> None:
+    fm = _est("prf").feature_map
+    q, k, v = (t.float() for t in _qkv(64, seed=8))
+    results = []
+    for huge in (False, True):
+        kk = k.clone()
+        if huge:
+            kk[:, :, 40] = 60.0 * q[:, :, 40] / q[:, :, 40].norm(dim=-1, keepdim=True)  # e^huge without the stabiliser
+        a, b, c = (t.clone().requires_grad_(True) for t in (q, kk, v))
+        num, den = grouped_feature_attention(
+            fm.float(), a, b, c, causal=True, key_padding_mask=None, chunk_size=8, group=16
+        )
+        out = _ratio(num, den)
+        assert torch.isfinite(out).all()
+        out[:, :, :40].sum().backward()  # a loss on the rows before the huge key
+        results.append((out[:, :, :40], a.grad[:, :, :40], b.grad[:, :, :40], c.grad[:, :, :40]))
+    for before, after in zip(*results):
+        assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_a_non_finite_value_reaches_only_the_rows_that_see_it_outputs_and_gradients(where: str) -> None:
+    """A NaN at position 70 (group 3 of 5): earlier rows keep bit-identical outputs and
+    gradients; the rows that see it are NaN (a NaN query: its own row only)."""
+    fm = _est("prf").feature_map
+    q, k, v = _qkv(100, seed=9)
+    results = []
+    for bad in (False, True):
+        a, b, c = (t.clone() for t in (q, k, v))
+        if bad:
+            {"q": a, "k": b, "v": c}[where][0, 1, 70] = float("nan")
+        a, b, c = (t.requires_grad_(True) for t in (a, b, c))
+        num, den = grouped_feature_attention(fm, a, b, c, causal=True, key_padding_mask=None, chunk_size=8, group=24)
+        out = _ratio(num, den)
+        out[:, :, :70].sum().backward()
+        results.append((out, a.grad, b.grad, c.grad))
+    out = results[1][0]
+    sees = torch.zeros(2, 3, 100, dtype=torch.bool)
+    if where == "q":
+        sees[0, 1, 70] = True
+    else:
+        sees[0, 1, 70:] = True
+    assert torch.equal(torch.isnan(out).any(-1), sees)
+    for before, after in zip(results[0], results[1]):
+        assert torch.equal(before[:, :, :70], after[:, :, :70])  # outputs and gradients
+
+
+@pytest.mark.parametrize("name", ["prf", "elu", "gmm-prf"])
+def test_a_padded_non_finite_key_never_reaches_outputs_or_gradients(name: str) -> None:
+    """Padded keys are zeroed before the map: their own gradient is exactly 0 (the
+    one-shot path, fed features, gives the map's 0 * NaN there, and a learned map's
+    parameter gradients NaN), and no other output or gradient sees them."""
+    fm = _est(name).feature_map
+    q, k, v = _qkv(60, seed=10)
+    mask = torch.zeros(2, 60, dtype=torch.bool)
+    mask[:, 33] = True
+    k[:, :, 33] = float("nan")
+    v[:, :, 33] = float("inf")
+    params = [p for p in fm.parameters() if p.requires_grad]
+    for causal in (False, True):
+        for p in params:
+            p.grad = None
+        a, b, c = (t.clone().requires_grad_(True) for t in (q, k, v))
+        num, den = grouped_feature_attention(fm, a, b, c, causal=causal, key_padding_mask=mask, group=16)
+        _ratio(num, den).sum().backward()
+        for t in (num, den, a.grad, b.grad, c.grad, *(p.grad for p in params)):
+            assert torch.isfinite(t).all()
+        assert (b.grad[:, :, 33] == 0).all() and (c.grad[:, :, 33] == 0).all()
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_a_non_finite_key_reaches_exactly_the_rows_that_see_it_across_groups(causal: bool) -> None:
-    est = _est("prf")
-    q, k, v = _qkv(300, seed=2)
-    k[0, 1, 100] = float("nan")
-    v[1, 2, 200] = float("inf")
-    fm = est.feature_map
-    num, den = feature_attention_grouped(fm, q, k, v, causal=causal, key_padding_mask=None, group=64)
-    bad = torch.isnan(num).any(-1) | torch.isnan(den) | torch.isinf(num).any(-1)
-    expect = torch.zeros(2, 3, 300, dtype=torch.bool)
-    if causal:  # every row from the key on, in that batch element and head only
-        expect[0, 1, 100:] = True
-        expect[1, 2, 200:] = True
-    else:
-        expect[0, 1] = True
-        expect[1, 2] = True
-    assert torch.equal(bad, expect)
+def test_no_whole_sequence_feature_tensor_is_kept_for_the_backward(causal: bool) -> None:
+    """What autograd keeps is the inputs, num and den and the group states: nothing of
+    size N x D (the one-shot path keeps several such tensors)."""
+    fm = ka.create("prf", num_features=64, head_dim=8, seed=0).feature_map
+    q, k, v = (t.float().requires_grad_(True) for t in _qkv(512, seed=11))
+    n, big = 512, 2 * 3 * 512 * 64  # B * H * N * D
+
+    def saved_numels(fn) -> list[int]:  # type: ignore[no-untyped-def]
+        sizes: list[int] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            sizes.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        return sizes
+
+    grouped = saved_numels(
+        lambda: grouped_feature_attention(fm, q, k, v, causal=causal, key_padding_mask=None, group=128)
+    )
+    one_shot = saved_numels(
+        lambda: feature_attention_torch(
+            fm.raw_features(q, query=True),
+            fm.raw_features(k, query=False),
+            v,
+            log_space=True,
+            causal=causal,
+            key_padding_mask=None,
+        )
+    )
+    assert max(one_shot) >= big  # the control: the one-shot path keeps feature tensors
+    assert max(grouped) < big
+    assert sum(grouped) <= 6 * 2 * 3 * n * 8 + 4 * 64 * 9 * 2 * 3  # q, k, v, num, den + states
+
+
+def test_second_derivatives_are_refused_with_an_error() -> None:
+    fm = _est("prf").feature_map
+    q, k, v = (t.requires_grad_(True) for t in _qkv(20, seed=12))
+    num, den = grouped_feature_attention(fm, q, k, v, causal=True, key_padding_mask=None)
+    (g,) = torch.autograd.grad(_ratio(num, den).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|twice"):
+        g.sum().backward()
+
+
+def test_the_gate_of_moving_chunks_only_is_bit_identical_to_gating_every_chunk() -> None:
+    g = torch.Generator().manual_seed(13)
+    m = torch.rand(2, 3, 6, 8, generator=g).cumsum(-1)  # [B, H, n_c, C], increasing
+    m[0, 0, 2] = m[0, 0, 2, :1]  # some chunks constant (the common case after the start)
+    m[1, 2, 4] = m[1, 2, 4, :1]
+    tri = torch.ones(8, 8, dtype=torch.bool).tril()
+    x = torch.randn(2, 3, 6, 8, 8, generator=g)
+    full = x * chunked._gate(m.flatten(0, -2), tri).view_as(x)
+    gate = chunked._Gate(m, tri)
+    assert gate.idx.numel() == 2 * 3 * 6 - 2
+    assert torch.equal(gate.apply_(x.clone(), tri), full)
+    m2 = m[..., :1].expand_as(m).contiguous()  # every chunk constant: the causal mask alone
+    assert chunked._Gate(m2, tri).gate is None
+    assert torch.equal(chunked._Gate(m2, tri).apply_(x.clone(), tri), x * tri)
 
 
 def test_decoding_state_carries_a_consumed_non_finite_key() -> None:
@@ -112,5 +357,5 @@ def test_decoding_state_carries_a_consumed_non_finite_key() -> None:
 
 def test_group_length_bounds_the_block_and_is_a_chunk_multiple() -> None:
     g = group_length(4, 128, 4, 64)
-    assert g % 64 == 0 and 4 * 128 * 4 * g <= tb.GROUP_BYTES < 4 * 128 * 4 * (g + 64)
+    assert g % 64 == 0 and 4 * 128 * 4 * g <= grp.GROUP_BYTES < 4 * 128 * 4 * (g + 64)
     assert group_length(10**6, 128, 8, 64) == 64  # at least one chunk

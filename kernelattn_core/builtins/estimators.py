@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..engine.backends import Problem, attend_features, select_backend
+from ..engine.backends import Problem, attend_normalized, select_backend
 from ..engine.naive import allowed_pairs, poison_rows, quarantine_non_finite
 from ..engine.torch_backend import CausalState, compute_dtype, feature_attention_step
 from ..errors import InputError
@@ -317,19 +317,44 @@ class FeatureMapAttention(AttentionEstimator):
             return self.normalizer.pre(q, k, key_padding_mask=key_padding_mask, causal=causal)
         return self.normalizer.pre(q, k, key_padding_mask=key_padding_mask)
 
+    def _attend_scaled(self, q, k, v, root, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        """The factor ``root`` goes to the engine, which applies it group by group, when
+        nothing needs the scaled whole inputs first: the normaliser's ``pre`` and the map's
+        ``prepare`` are the identity, and ``_attend`` is not overridden."""
+        if (
+            type(self)._attend is not FeatureMapAttention._attend
+            or type(self.normalizer).pre is not Normalizer.pre
+            or type(self.feature_map).prepare is not FeatureMap.prepare
+        ):
+            return super()._attend_scaled(q, k, v, root, causal, key_padding_mask)
+        return self._attend_features(q, k, v, causal, key_padding_mask, root)
+
     def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
         q, k = self._pre(q, k, key_padding_mask, causal)
+        return self._attend_features(q, k, v, causal, key_padding_mask, 1.0)
+
+    def _attend_features(self, q, k, v, causal, key_padding_mask, root):  # type: ignore[no-untyped-def]
+        """Feature attention of ``root * q``, ``root * k`` (already through ``pre``)."""
         fm = self.feature_map
         if not fm.built:
             self.redraw_policy.initial(fm, q.shape[-1])
         self.redraw_policy.before_forward(fm, self.training)
-        fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)
+        fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)  # root != 1: the no-op
         problem = Problem(q.device, q.dtype, fm.log_space, causal, torch.is_grad_enabled())
         backend = select_backend(problem, self.backend)
         self.last_backend = backend.name
-        # fused (features on chip) when the backend and the map allow it, else materialised
-        num, den = attend_features(
-            backend, fm, q, k, v, causal=causal, key_padding_mask=key_padding_mask, chunk_size=self.chunk_size
+        # fused (features on chip) when the backend and the map allow it, else materialised;
+        # the torch backend normalises group by group
+        out = attend_normalized(
+            backend,
+            fm,
+            self.normalizer.normalize,
+            q,
+            k,
+            v,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            chunk_size=self.chunk_size,
+            scale=root,
         )
-        out = self.normalizer.post(self.normalizer.normalize(num, den))
-        return out.to(v.dtype)
+        return self.normalizer.post(out).to(v.dtype)

@@ -2,7 +2,11 @@
 
 * ``api.py``: :func:`kernel_attention`.
 * ``backends.py``: backends described by data, chosen at run time.
-* ``torch_backend.py``: the linear-time torch implementation (non-causal and chunked causal).
+* ``grouped.py``: how the torch backend runs: features and attention per group of
+  positions, with its own backward (no whole-sequence feature tensor, forward or backward).
+* ``torch_backend.py``: feature attention on given features (non-causal, and the causal
+  preparation: masks, non-finite quarantine, stabilisers); decoding state.
+* ``chunked.py``: the vectorised causal core and its transposed recurrence.
 * ``naive.py``: quadratic references that every fast path is tested against.
 """
 

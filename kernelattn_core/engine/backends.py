@@ -166,14 +166,14 @@ def attend_features(
             key_padding_mask=key_padding_mask,
             chunk_size=chunk_size,
         )
-    if backend.name == "torch" and not torch.is_grad_enabled():
-        from .torch_backend import GROUP_BYTES, feature_attention_grouped
+    if backend.name == "torch":
+        from .grouped import grouped_feature_attention
 
-        if q.dtype.itemsize * q.shape[0] * q.shape[1] * max(q.shape[2], k.shape[2]) * fm.feature_dim > GROUP_BYTES:
-            # long sequences without autograd: features and attention per group of positions
-            return feature_attention_grouped(
-                fm, q, k, v, causal=causal, key_padding_mask=key_padding_mask, chunk_size=chunk_size
-            )
+        # features and attention per group of positions, its own backward (grouped.py)
+        num, den = grouped_feature_attention(
+            fm, q, k, v, causal=causal, key_padding_mask=key_padding_mask, chunk_size=chunk_size
+        )
+        return num, den
     phi_q = fm.raw_features(q, query=True)  # [B, H, N, D]
     phi_k = fm.raw_features(k, query=False)  # [B, H, M, D]
     return backend.load()(
@@ -185,6 +185,50 @@ def attend_features(
         key_padding_mask=key_padding_mask,
         chunk_size=chunk_size,
     )
+
+
+def attend_normalized(
+    backend: Backend,
+    feature_map: Any,
+    normalize: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    chunk_size: int | None,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """``normalize(num, den)`` of :func:`attend_features` on ``scale * q`` and ``scale * k``.
+
+    The torch backend applies ``scale`` and ``normalize`` group by group inside its grouped
+    pass (:mod:`kernelattn_core.engine.grouped`), so no whole-sequence scaled copy of the
+    inputs, gradient of ``num`` or normaliser temporary is formed; other backends get
+    the scaled inputs and the normaliser runs on their ``num`` and ``den``.
+    ``normalize`` must act row by row (every normaliser does).
+    """
+    if backend.name == "torch":
+        from .grouped import grouped_feature_attention
+
+        (out,) = grouped_feature_attention(
+            feature_map,
+            q,
+            k,
+            v,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            chunk_size=chunk_size,
+            scale=scale,
+            normalize=normalize,
+        )
+        return out
+    if scale != 1.0:
+        q, k = q * scale, k * scale
+    num, den = attend_features(
+        backend, feature_map, q, k, v, causal=causal, key_padding_mask=key_padding_mask, chunk_size=chunk_size
+    )
+    return normalize(num, den)
 
 
 def _interpreting() -> bool:

@@ -65,9 +65,33 @@ DEFAULT_CHUNK = 64
 
 
 def _gate(mc: torch.Tensor, tri: torch.Tensor) -> torch.Tensor:
-    """``[B, H, n_c, C, C]`` gate :math:`[j \\le t]\\, e^{m_j - m_t}` of the log-space form."""
-    gap = mc.unsqueeze(-2) - mc.unsqueeze(-1)  # [B, H, n_c, C(t), C(j)]: m_j - m_t
+    """``[K, C, C]`` gate :math:`[j \\le t]\\, e^{m_j - m_t}` of the log-space form for the
+    stabilisers ``mc [K, C]`` of ``K`` chunks."""
+    gap = mc.unsqueeze(-2) - mc.unsqueeze(-1)  # [K, C(t), C(j)]: m_j - m_t
     return gap.masked_fill_(~tri, float("-inf")).exp_()  # masked before exp: no inf * 0
+
+
+class _Gate:
+    """The gate of the chunks whose stabiliser moves inside the chunk.
+
+    Where :math:`m` is constant over a chunk, :math:`e^{m_j - m_t} = e^0 = 1` exactly, so
+    the gate there *is* the causal mask: only the chunks where :math:`m` moves (a new
+    running maximum; few after the first positions) get the exponential, gathered by
+    index. The result is bit-identical to gating every chunk, whatever the data.
+    """
+
+    def __init__(self, mc: torch.Tensor, tri: torch.Tensor) -> None:
+        flat = mc.flatten(0, -2)  # [B * H * n_c, C]
+        self.idx = (flat[:, 0] != flat[:, -1]).nonzero().squeeze(-1)  # m is non-decreasing
+        self.gate = _gate(flat.index_select(0, self.idx), tri) if self.idx.numel() else None
+
+    def apply_(self, x: torch.Tensor, tri: torch.Tensor) -> torch.Tensor:
+        """``x [.., C, C]`` times the gate, in place."""
+        x.masked_fill_(~tri, 0.0)
+        if self.gate is not None:
+            flat = x.view(-1, *x.shape[-2:])
+            flat.index_copy_(0, self.idx, flat.index_select(0, self.idx).mul_(self.gate))
+        return x
 
 
 def _scan(u: torch.Tensor, decay: torch.Tensor | None, s0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,13 +156,13 @@ class _Block:
         self.kc = k.view(b, h, n_c, chunk, d_feat)
         self.vc = v.view(b, h, n_c, chunk, dv)
         self.tri = tri
-        self.gate = None if mc is None else _gate(mc, tri)
+        self.gate = None if mc is None else _Gate(mc, tri)
         vr = self.vc if self.r is None else self.vc * self.r.unsqueeze(-1)  # keys restated at chunk end
         self.states, self.s_out = _scan(self.kc.transpose(-1, -2) @ vr, self.decay, s_in)
 
     def masked(self, x: torch.Tensor) -> torch.Tensor:
         """``x [.., C, C]`` times the gate (or the causal mask), in place."""
-        return x.masked_fill_(~self.tri, 0.0) if self.gate is None else x.mul_(self.gate)
+        return x.masked_fill_(~self.tri, 0.0) if self.gate is None else self.gate.apply_(x, self.tri)
 
     def forward(self) -> torch.Tensor:
         a = self.masked(self.qc @ self.kc.transpose(-1, -2))  # [B, H, n_c, C, C]
@@ -189,29 +213,54 @@ def _rows(x: torch.Tensor, g0: int, g1: int) -> torch.Tensor:
     return part if g1 - g0 == x.shape[2] else part.contiguous()
 
 
+def _block(q, k, v, s_in, m, m0, g0, g1, chunk, tri) -> _Block:  # type: ignore[no-untyped-def]
+    """The :class:`_Block` of positions ``[g0, g1)`` entering with state ``s_in``."""
+    return _Block(
+        _rows(q, g0, g1), _rows(k, g0, g1), _rows(v, g0, g1), s_in, _part(m, g0, g1), _m_in(m, m0, g0), chunk, tri
+    )
+
+
+def _tri(chunk: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril()
+
+
+def _core_forward(q, k, v, s0, m, m0, chunk):  # type: ignore[no-untyped-def]
+    """Output, final state and the state entering each group (inputs padded to ``chunk``)."""
+    b, h, n, _ = q.shape
+    tri = _tri(chunk, q.device)
+    out = q.new_empty(b, h, n, v.shape[-1])  # every group writes its rows
+    s_in, cur = [], s0
+    for g0, g1 in _groups(n, chunk):  # groups bound the work space; no autograd records this loop
+        s_in.append(cur)
+        blk = _block(q, k, v, cur, m, m0, g0, g1, chunk, tri)
+        out[:, :, g0:g1] = blk.forward().view(b, h, g1 - g0, -1)
+        cur = blk.s_out
+        del blk  # free this group's work space before the next one
+    return out, cur, s_in
+
+
+def _core_backward(q, k, v, m, m0, s_in, chunk, o_bar, s_bar):  # type: ignore[no-untyped-def]
+    """Gradients of ``q, k, v`` and of the initial state (inputs padded to ``chunk``)."""
+    b, h, n, d_feat = q.shape
+    tri = _tri(chunk, q.device)
+    groups = _groups(n, chunk)
+    q_bar, k_bar, v_bar = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # groups tile [0, N)
+    g_out = torch.zeros_like(s_in[0]) if s_bar is None else s_bar
+    for i in range(len(groups) - 1, -1, -1):  # last group first: G runs backwards
+        g0, g1 = groups[i]
+        blk = _block(q, k, v, s_in[i], m, m0, g0, g1, chunk, tri)
+        dq, dk, dv_, g_out = blk.backward(_rows(o_bar, g0, g1), g_out)
+        q_bar[:, :, g0:g1] = dq.view(b, h, g1 - g0, d_feat)
+        k_bar[:, :, g0:g1] = dk.view(b, h, g1 - g0, d_feat)
+        v_bar[:, :, g0:g1] = dv_.view(b, h, g1 - g0, -1)
+        del blk, dq, dk, dv_
+    return q_bar, k_bar, v_bar, g_out
+
+
 class _CausalLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, s0, m, m0, chunk):  # type: ignore[no-untyped-def, override]
-        b, h, n, _ = q.shape
-        tri = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-        groups = _groups(n, chunk)
-        out = q.new_empty(b, h, n, v.shape[-1])  # every group writes its rows
-        s_in, cur = [], s0
-        for g0, g1 in groups:  # groups bound the work space; no autograd records this loop
-            s_in.append(cur)
-            blk = _Block(
-                _rows(q, g0, g1),
-                _rows(k, g0, g1),
-                _rows(v, g0, g1),
-                cur,
-                _part(m, g0, g1),
-                _m_in(m, m0, g0),
-                chunk,
-                tri,
-            )
-            out[:, :, g0:g1] = blk.forward().view(b, h, g1 - g0, -1)
-            cur = blk.s_out
-            del blk  # free this group's work space before the next one
+        out, cur, s_in = _core_forward(q, k, v, s0, m, m0, chunk)
         ctx.save_for_backward(q, k, v, m, m0, *s_in)  # group boundary states only
         ctx.chunk = chunk
         return out, cur
@@ -219,30 +268,18 @@ class _CausalLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, o_bar, s_bar):  # type: ignore[no-untyped-def, override]
         q, k, v, m, m0, *s_in = ctx.saved_tensors
-        chunk = ctx.chunk
-        b, h, n, d_feat = q.shape
-        tri = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-        groups = _groups(n, chunk)
-        q_bar, k_bar, v_bar = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # groups tile [0, N)
-        g_out = s_bar
-        for i in range(len(groups) - 1, -1, -1):  # last group first: G runs backwards
-            g0, g1 = groups[i]
-            blk = _Block(
-                _rows(q, g0, g1),
-                _rows(k, g0, g1),
-                _rows(v, g0, g1),
-                s_in[i],
-                _part(m, g0, g1),
-                _m_in(m, m0, g0),
-                chunk,
-                tri,
-            )
-            dq, dk, dv_, g_out = blk.backward(_rows(o_bar, g0, g1), g_out)
-            q_bar[:, :, g0:g1] = dq.view(b, h, g1 - g0, d_feat)
-            k_bar[:, :, g0:g1] = dk.view(b, h, g1 - g0, d_feat)
-            v_bar[:, :, g0:g1] = dv_.view(b, h, g1 - g0, -1)
-            del blk, dq, dk, dv_
-        return q_bar, k_bar, v_bar, g_out, None, None, None
+        return *_core_backward(q, k, v, m, m0, s_in, ctx.chunk, o_bar, s_bar), None, None, None
+
+
+def _padded(q, k, v, m, chunk):  # type: ignore[no-untyped-def]
+    """Inputs padded to a multiple of ``chunk``: zero features after the end contribute
+    nothing, and ``m`` is continued flat."""
+    extra = -q.shape[-2] % chunk
+    if extra:
+        q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, extra)) for t in (q, k, v))
+        if m is not None:
+            m = torch.cat([m, m[..., -1:].expand(*m.shape[:-1], extra)], dim=-1)
+    return q, k, v, m, extra
 
 
 def causal_linear_attention(
@@ -282,10 +319,75 @@ def causal_linear_attention(
     """
     n = q.shape[-2]
     chunk = max(1, min(chunk, n))
-    extra = -n % chunk
-    if extra:  # zero features after the end contribute nothing; m is continued flat
-        q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, extra)) for t in (q, k, v))
-        if m is not None:
-            m = torch.cat([m, m[..., -1:].expand(*m.shape[:-1], extra)], dim=-1)
+    q, k, v, m, extra = _padded(q, k, v, m, chunk)
     out, s_final = _CausalLinear.apply(q, k, v, s0, m, m0, chunk)
     return (out[..., :n, :] if extra else out), s_final
+
+
+def causal_linear_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    s0: torch.Tensor,
+    m: torch.Tensor | None,
+    m0: torch.Tensor | None,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`causal_linear_attention` without autograd (no graph is recorded, even when
+    an input requires a gradient): for callers that write their own backward with
+    :func:`causal_linear_attention_backward`."""
+    n = q.shape[-2]
+    chunk = max(1, min(chunk, n))
+    q, k, v, m, extra = _padded(q, k, v, m, chunk)
+    with torch.no_grad():
+        out, s_final, _ = _core_forward(q, k, v, s0, m, m0, chunk)
+    return (out[..., :n, :] if extra else out), s_final
+
+
+def causal_linear_attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    s0: torch.Tensor,
+    m: torch.Tensor | None,
+    m0: torch.Tensor | None,
+    chunk: int,
+    o_bar: torch.Tensor,
+    s_bar: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`causal_linear_attention` without autograd: the transposed
+    recurrence of the module docstring, the states recomputed.
+
+    For callers that write their own backward around the core (the grouped engine,
+    :mod:`kernelattn_core.engine.grouped`, which recomputes the features per group).
+
+    Parameters
+    ----------
+    q, k, v, s0, m, m0, chunk
+        As in :func:`causal_linear_attention` (detached).
+    o_bar : Tensor ``[B, H, N, dv]``
+        Gradient of the output.
+    s_bar : Tensor ``[B, H, D, dv]`` or None
+        Gradient of the final state (``None``: zero).
+
+    Returns
+    -------
+    q_bar, k_bar, v_bar : the gradients of ``q``, ``k``, ``v``
+    s0_bar : the gradient of ``s0``
+    """
+    n = q.shape[-2]
+    chunk = max(1, min(chunk, n))
+    q, k, v, m, extra = _padded(q, k, v, m, chunk)
+    if extra:
+        o_bar = torch.nn.functional.pad(o_bar, (0, 0, 0, extra))
+    groups = _groups(q.shape[-2], chunk)
+    s_in, cur = [s0], s0
+    if len(groups) > 1:  # the states entering the later groups: forward scans only
+        tri = _tri(chunk, q.device)
+        for g0, g1 in groups[:-1]:
+            cur = _block(q, k, v, cur, m, m0, g0, g1, chunk, tri).s_out
+            s_in.append(cur)
+    q_bar, k_bar, v_bar, s0_bar = _core_backward(q, k, v, m, m0, s_in, chunk, o_bar.contiguous(), s_bar)
+    if extra:
+        q_bar, k_bar, v_bar = (t[..., :n, :] for t in (q_bar, k_bar, v_bar))
+    return q_bar, k_bar, v_bar, s0_bar

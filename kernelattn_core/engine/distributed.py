@@ -51,6 +51,7 @@ import torch.distributed as dist
 from ..errors import InputError
 from ..validation import check_key_padding_mask, check_qkv
 from .backends import Problem, attend_features, select_backend
+from .torch_backend import query_side
 
 
 def _safe_factor(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -130,12 +131,6 @@ class _AllReduceSum(torch.autograd.Function):
         return g, None
 
 
-def _query_side(phi_q: torch.Tensor, log_space: bool) -> torch.Tensor:
-    if not log_space:
-        return phi_q
-    return (phi_q - phi_q.detach().amax(-1, keepdim=True)).exp()  # per-query constant: cancels
-
-
 def sequence_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -213,7 +208,7 @@ def sequence_parallel_attention(
     num, den = attend_features(
         chosen, fm, q, k, v, causal=True, key_padding_mask=mask, chunk_size=estimator.chunk_size
     )  # local chunks: [B, H, N_r, dv], [B, H, N_r]
-    fq = _query_side(fm.raw_features(q, query=True), log)  # [B, H, N_r, D]
+    fq = query_side(fm.raw_features(q, query=True), log)  # [B, H, N_r, D]
     if log:
         m_loc = lk.detach().amax(-1).cummax(-1).values  # [B, H, N_r] local prefix maximum
         m_last = m_loc[..., -1:]  # [B, H, 1]
@@ -236,7 +231,7 @@ def sequence_parallel_attention(
 
 def _non_causal(estimator, fm, q, lk, vv, log, group):  # type: ignore[no-untyped-def]
     """All keys of all ranks for every query: the summaries summed over the group."""
-    fq = _query_side(fm.raw_features(q, query=True), log)  # [B, H, N_r, D]
+    fq = query_side(fm.raw_features(q, query=True), log)  # [B, H, N_r, D]
     if log:
         c = lk.detach().amax(dim=(-2, -1), keepdim=True)  # [B, H, 1, 1]
         dist.all_reduce(c, op=dist.ReduceOp.MAX, group=group)

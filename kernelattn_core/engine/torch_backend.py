@@ -66,7 +66,6 @@ float16) and the caller casts the output back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -80,11 +79,15 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _HALF else dtype
 
 
-def _query_side(phi_q: torch.Tensor, log_space: bool) -> torch.Tensor:
+def query_side(phi_q: torch.Tensor, log_space: bool, top: torch.Tensor | None = None) -> torch.Tensor:
+    """Query features for the products: ``phi_q`` itself, or for log-space maps
+    :math:`e^{l_q - \\max_D l_q}` (a per-query constant that cancels in the ratio; a row
+    of ``-inf`` gives zero features). ``top [B, H, N]``: the row maxima, when known."""
     if not log_space:
         return phi_q
-    top = phi_q.detach().amax(-1, keepdim=True)  # per-query constant: cancels
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row of -inf: features 0
+    if top is None:
+        top = phi_q.detach().amax(-1)  # per-query constant: cancels
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).unsqueeze(-1)  # a row of -inf: features 0
     return (phi_q - top).exp_()
 
 
@@ -160,7 +163,7 @@ def feature_attention_torch(
         num, den, _ = _causal(phi_q, phi_k, v, log_space, key_padding_mask, chunk_size, None)
         return num, den
     pad = None if key_padding_mask is None else key_padding_mask[:, None, :, None]  # [B, 1, M, 1]
-    fq = _query_side(phi_q, log_space)  # [B, H, N, D]
+    fq = query_side(phi_q, log_space)  # [B, H, N, D]
     if pad is not None:  # removed before any product, whatever they hold
         v = v.masked_fill(pad, 0.0)
     if log_space:
@@ -176,40 +179,91 @@ def feature_attention_torch(
     return num, den.squeeze(-1)
 
 
-def _causal(
+@dataclass
+class CausalInputs:
+    """What the causal core consumes, prepared from one call's features
+    (:func:`prepare_causal`), and what the call's end needs.
+
+    Attributes
+    ----------
+    fq, fk : Tensor ``[B, H, N, D]``
+        Query features at their per-row constant, key features at the prefix stabiliser
+        (log space) or as given; dropped keys and non-finite query rows are 0.
+    v1 : Tensor ``[B, H, N, dv + 1]``
+        Values (dropped ones 0) with a column of ones.
+    s0 : Tensor ``[B, H, D, dv + 1]``
+        The incoming state (zeros without one).
+    m, m0 : Tensor ``[B, H, N]``, ``[B, H, 1]`` or None
+        The stabiliser and the one ``s0`` is stated at (log space).
+    m_out : Tensor ``[B, H, 1]`` or None
+        The raw prefix maximum after the last position (``-inf`` while no key was seen),
+        for the outgoing state.
+    poison : Tensor ``[B, H, N]`` of bool or None
+        Rows that see a non-finite value (set to NaN at the end).
+    carried : Tensor ``[B, H]`` of bool or None
+        The outgoing state's ``poisoned`` flag.
+    """
+
+    fq: torch.Tensor
+    fk: torch.Tensor
+    v1: torch.Tensor
+    s0: torch.Tensor
+    m: torch.Tensor | None
+    m0: torch.Tensor | None
+    m_out: torch.Tensor | None
+    poison: torch.Tensor | None
+    carried: torch.Tensor | None
+
+
+def prepare_causal(
     phi_q: torch.Tensor,
     phi_k: torch.Tensor,
     v: torch.Tensor,
     log_space: bool,
     key_padding_mask: torch.Tensor | None,
-    chunk_size: int | None,
     state: CausalState | None,
-) -> tuple[torch.Tensor, torch.Tensor, CausalState]:
+) -> CausalInputs:
+    """The causal core's inputs from features (differentiable in ``phi_q``, ``phi_k``,
+    ``v`` and the state): masks applied, non-finite rows quarantined, stabilisers
+    continued from ``state`` (see the module docstring)."""
     b, h, n, d_feat = phi_q.shape
     dv = v.shape[-1]
     drop = None if key_padding_mask is None else key_padding_mask[:, None, :]  # [B, 1, N]
     poison = None
     carried = None if state is None else state.poisoned  # [B, H]: consumed by an earlier call
-    # one reduction decides whether a non-finite value could leak through 0 * NaN
-    vk = phi_k if drop is None else phi_k.masked_fill(drop.unsqueeze(-1), 0.0)
+    # one reduction decides whether a non-finite value could leak through 0 * NaN; in log
+    # space the row maxima (needed for the stabilisers anyway) hold NaN or +inf exactly
+    # for the rows that hold one, so only [B, H, N] is scanned
     vv = v if drop is None else v.masked_fill(drop.unsqueeze(-1), 0.0)
-    if not bool(torch.isfinite(phi_q.detach().sum() + vk.detach().sum() + vv.detach().sum())):
+    top_q = top_k = None
+    if log_space:
+        top_q, top_k = phi_q.detach().amax(-1), phi_k.detach().amax(-1)  # [B, H, N]
+        if drop is not None:
+            top_k = top_k.masked_fill(drop, float("-inf"))
+        tops = torch.cat([top_q, top_k], dim=-1)
+        bad = torch.isnan(tops).any() | torch.isposinf(tops).any() | ~torch.isfinite(vv.detach().sum())
+    else:
+        vk = phi_k if drop is None else phi_k.masked_fill(drop.unsqueeze(-1), 0.0)
+        bad = ~torch.isfinite(phi_q.detach().sum() + vk.detach().sum() + vv.detach().sum())
+    if bool(bad):
+        vk = phi_k if drop is None else phi_k.masked_fill(drop.unsqueeze(-1), 0.0)
         bad_k = _bad_rows(vk.detach(), log_space) | _bad_rows(vv.detach(), False)  # [B, H, N]
         bad_q = _bad_rows(phi_q.detach(), log_space)
         drop = bad_k if drop is None else drop | bad_k
         phi_q = phi_q.masked_fill(bad_q.unsqueeze(-1), 0.0)
         poison = bad_k.cummax(-1).values | bad_q  # rows that legitimately see them
         carried = bad_k.any(-1) if carried is None else carried | bad_k.any(-1)
+        top_q = top_k = None  # recomputed from the cleaned rows
     if state is not None and state.poisoned is not None:  # an earlier call consumed one
         earlier = state.poisoned[..., None].expand(b, h, n)
         poison = earlier if poison is None else poison | earlier
     if drop is not None:
         v = v.masked_fill(drop.unsqueeze(-1), 0.0)
-    fq = _query_side(phi_q, log_space)  # [B, H, N, D]
+    fq = query_side(phi_q, log_space, top_q)  # [B, H, N, D]
     m = m0 = m_out = None
     if log_space:
         lk = phi_k if drop is None else phi_k.masked_fill(drop.unsqueeze(-1), float("-inf"))
-        m_raw = lk.detach().amax(-1)  # [B, H, N]
+        m_raw = lk.detach().amax(-1) if top_k is None else top_k  # [B, H, N]
         if state is not None and state.m is not None:
             m_raw = torch.maximum(m_raw, state.m)  # the prefix continues from earlier calls
         m_raw = m_raw.cummax(-1).values  # prefix maximum: causal; -inf before the first key
@@ -231,14 +285,38 @@ def _causal(
         s0 = fq.new_zeros(b, h, d_feat, dv + 1)
     else:
         s0 = torch.cat([state.kv.to(fq.dtype), state.z.to(fq.dtype).unsqueeze(-1)], dim=-1)
-    out, s_final = causal_linear_attention(fq, fk, v1, s0, m, m0, chunk_size or DEFAULT_CHUNK)
+    return CausalInputs(fq, fk, v1, s0, m, m0, m_out, poison, carried)
+
+
+def finish_causal(
+    out: torch.Tensor, s_final: torch.Tensor, prep: CausalInputs, state: CausalState | None
+) -> tuple[torch.Tensor, torch.Tensor, CausalState]:
+    """Numerator, denominator (poisoned rows NaN) and the outgoing state of the core's
+    output ``[B, H, N, dv + 1]`` and final state."""
+    dv = out.shape[-1] - 1
     num, den = out.split([dv, 1], dim=-1)  # one backward (a cat) instead of two zero-filled slices
     den = den.squeeze(-1)
-    if poison is not None:
-        num = num.masked_fill(poison.unsqueeze(-1), float("nan"))
-        den = den.masked_fill(poison, float("nan"))
-    length = (0 if state is None else state.length) + n
-    return num, den, CausalState(s_final[..., :dv], s_final[..., dv], m_out, length, carried)
+    if prep.poison is not None:
+        num = num.masked_fill(prep.poison.unsqueeze(-1), float("nan"))
+        den = den.masked_fill(prep.poison, float("nan"))
+    length = (0 if state is None else state.length) + out.shape[2]
+    return num, den, CausalState(s_final[..., :dv], s_final[..., dv], prep.m_out, length, prep.carried)
+
+
+def _causal(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    log_space: bool,
+    key_padding_mask: torch.Tensor | None,
+    chunk_size: int | None,
+    state: CausalState | None,
+) -> tuple[torch.Tensor, torch.Tensor, CausalState]:
+    prep = prepare_causal(phi_q, phi_k, v, log_space, key_padding_mask, state)
+    out, s_final = causal_linear_attention(
+        prep.fq, prep.fk, prep.v1, prep.s0, prep.m, prep.m0, chunk_size or DEFAULT_CHUNK
+    )
+    return finish_causal(out, s_final, prep, state)
 
 
 def feature_attention_step(
@@ -277,104 +355,3 @@ def feature_attention_step(
     dtype = compute_dtype(phi_q.dtype)
     phi_q, phi_k, v = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
     return _causal(phi_q, phi_k, v, log_space, key_padding_mask, chunk_size, state)
-
-
-#: bytes of one ``[B, H, G, D]`` feature block of the grouped forward. Below glibc's
-#: largest dynamic mmap threshold (32 MiB), blocks are reused from the heap; a larger
-#: tensor is fresh pages on every call, and the page faults of a few ``[B, H, N, D]``
-#: tensors made the ungrouped forward super-linear in ``N`` (measured: a 64 MiB
-#: subtraction 10x slower than in place at N = 32K, 2x at N = 4K).
-GROUP_BYTES = 8 * 2**20
-
-
-def group_length(batch_heads: int, width: int, itemsize: int, chunk: int) -> int:
-    """Positions per group: ``[B, H, G, width]`` blocks of at most :data:`GROUP_BYTES`,
-    a multiple of ``chunk`` (at least one chunk)."""
-    g = GROUP_BYTES // max(1, batch_heads * width * itemsize)
-    return max(chunk, g // chunk * chunk)
-
-
-def feature_attention_grouped(
-    feature_map: Any,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool,
-    key_padding_mask: torch.Tensor | None,
-    chunk_size: int | None = None,
-    group: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Numerator and denominator of :func:`feature_attention_torch`, computed in
-    position groups, features included (forward only: for calls without autograd).
-
-    Every feature map acts token by token, so the features of a group of positions are
-    the group's rows of the features of the whole sequence; no ``[B, H, N, D]`` tensor
-    is ever formed, and each group's work space stays in memory the allocator reuses.
-
-    * Causal: the groups run in order, each continuing the :class:`CausalState` of the
-      previous one — the same code as decoding (:func:`feature_attention_step`), so the
-      result is the one causal call's, prefix stabiliser included.
-    * Non-causal: one pass over key groups accumulates
-      :math:`S = \\sum_j \\hat\\phi_k(k_j) [v_j, 1]^\\top` stated at the running maximum
-      :math:`c` of the key log-features (restated by :math:`e^{c_{old} - c_{new}} \\le 1`
-      when it grows), then one pass over query groups forms :math:`\\hat\\phi_q(q_t)^\\top S`.
-
-    Parameters
-    ----------
-    feature_map : FeatureMap
-        Built and prepared; its ``raw_features`` are called per group.
-    q, k : Tensor ``[B, H, N, d]``, ``[B, H, M, d]``
-        Scaled queries and keys.
-    v : Tensor ``[B, H, M, dv]``
-    group : int, optional
-        Positions per group (default: :func:`group_length`).
-    """
-    fm = feature_map
-    log_space = fm.log_space
-    b, h, n, _ = q.shape
-    m_keys = k.shape[2]
-    chunk = chunk_size or DEFAULT_CHUNK
-    dtype = compute_dtype(q.dtype)
-    width = fm.feature_dim
-    g = group or group_length(b * h, width, torch.finfo(dtype).bits // 8, chunk)
-    dv = v.shape[-1]
-    num = torch.empty(b, h, n, dv, dtype=dtype, device=q.device)
-    den = torch.empty(b, h, n, dtype=dtype, device=q.device)
-    if causal:
-        state = None
-        for g0 in range(0, n, g):
-            g1 = min(n, g0 + g)
-            pq = fm.raw_features(q[:, :, g0:g1], query=True).to(dtype)
-            pk = fm.raw_features(k[:, :, g0:g1], query=False).to(dtype)
-            kpm = None if key_padding_mask is None else key_padding_mask[:, g0:g1]
-            nu, de, state = _causal(pq, pk, v[:, :, g0:g1].to(dtype), log_space, kpm, chunk, state)
-            num[:, :, g0:g1], den[:, :, g0:g1] = nu, de
-        return num, den
-    s = torch.zeros(b, h, width, dv + 1, dtype=dtype, device=q.device)
-    c_run = torch.full((b, h, 1, 1), float("-inf"), dtype=dtype, device=q.device)
-    for g0 in range(0, m_keys, g):
-        g1 = min(m_keys, g0 + g)
-        pk = fm.raw_features(k[:, :, g0:g1], query=False).to(dtype)
-        vg = v[:, :, g0:g1].to(dtype)
-        if key_padding_mask is not None:  # removed before any product, whatever they hold
-            pad = key_padding_mask[:, None, g0:g1, None]
-            vg = vg.masked_fill(pad, 0.0)
-            pk = pk.masked_fill(pad, float("-inf") if log_space else 0.0)
-        if log_space:
-            c_new = torch.maximum(c_run, pk.amax(dim=(-2, -1), keepdim=True))
-            safe = torch.where(torch.isfinite(c_new), c_new, torch.zeros_like(c_new))
-            restate = torch.where(torch.isfinite(c_run), (c_run - safe).exp(), torch.zeros_like(c_run))
-            s.mul_(restate)  # the sum so far, restated at the new maximum (factor <= 1)
-            c_run = c_new
-            fk = (pk - safe).exp_()  # entries <= 1; padded keys 0
-        else:
-            fk = pk
-        s[..., :dv] += fk.transpose(-1, -2) @ vg
-        s[..., dv] += fk.sum(-2)
-    for g0 in range(0, n, g):
-        g1 = min(n, g0 + g)
-        fq = _query_side(fm.raw_features(q[:, :, g0:g1], query=True).to(dtype), log_space)
-        out = fq @ s  # [B, H, G, dv + 1]
-        num[:, :, g0:g1], den[:, :, g0:g1] = out[..., :dv], out[..., dv]
-    return num, den

@@ -110,8 +110,22 @@ class AttentionEstimator(nn.Module, ABC):
                 )
         if q.numel() == 0 or k.numel() == 0:
             return _empty_output(q, k, v)
-        root = self._input_root(q.shape[-1])
-        return self._attend(q * root, k * root, v, causal, mask)
+        return self._attend_scaled(q, k, v, self._input_root(q.shape[-1]), causal, mask)
+
+    def _attend_scaled(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        root: float,
+        causal: bool,
+        key_padding_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention of validated inputs that still need the factor ``root``
+        (:meth:`_input_root`). The default multiplies ``q`` and ``k`` and calls
+        :meth:`_attend`; an estimator that can apply the factor on the way (without a
+        scaled copy of the whole inputs) overrides this."""
+        return self._attend(q * root, k * root, v, causal, key_padding_mask)
 
     def _input_root(self, d: int) -> float:
         """:math:`\\sqrt{s}`, the factor applied to ``q`` and to ``k`` before
