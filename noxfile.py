@@ -105,7 +105,7 @@ def bench(session: nox.Session) -> None:
         "-k",
         "test_engine",
         "--benchmark-columns=min,median,max,rounds",
-        env={"MALLOC_TRIM_THRESHOLD_": str(2**40), "MALLOC_MMAP_THRESHOLD_": str(2**25)},
+        env={"MALLOC_TRIM_THRESHOLD_": str(2**40), "MALLOC_MMAP_THRESHOLD_": str(2**25), "MALLOC_MMAP_MAX_": "0"},
     )
     # the figures of docs/benchmarks.rst
     session.install(f"{ROOT}[plot]")

@@ -27,6 +27,7 @@ import torch
 
 RESULTS = pytest.StashKey[dict]()
 FAULTS = pytest.StashKey[dict]()
+MEMORY = pytest.StashKey[dict]()
 
 
 def allocator_mode() -> str:
@@ -57,6 +58,7 @@ MODES = ("causal fwd", "causal fwd+bwd", "noncausal fwd", "noncausal fwd+bwd")
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[RESULTS] = {}
     config.stash[FAULTS] = {}
+    config.stash[MEMORY] = {}
 
 
 @pytest.fixture
@@ -69,6 +71,17 @@ def record(request: pytest.FixtureRequest) -> Callable[[str, str, int, float, fl
     def put(mode: str, impl: str, n: int, seconds: float, fault_mib: float) -> None:
         store[(mode, impl, n)] = seconds
         faults[(mode, impl, n)] = fault_mib
+
+    return put
+
+
+@pytest.fixture
+def record_memory(request: pytest.FixtureRequest) -> Callable[[str, int, int], None]:
+    """``record_memory(impl, n, peak_bytes)``: peak tensor memory of one forward + backward."""
+    store = request.config.stash[MEMORY]
+
+    def put(impl: str, n: int, peak: int) -> None:
+        store[(impl, n)] = peak
 
     return put
 
@@ -109,10 +122,10 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or b is None else f"{a / b:.2f}x"
 
 
-def build_table(store: dict, faults: dict | None = None) -> str:
+def build_table(store: dict, faults: dict | None = None, memory: dict | None = None) -> str:
     mode_line = {
         "default": "glibc defaults after one 30 MiB free (steady state; page faults included)",
-        "no-trim": "glibc told to keep freed memory (MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_): "
+        "no-trim": "glibc told to keep freed memory (MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_MAX_=0): "
         "no page faults after the first call",
     }[allocator_mode()]
     lines = [
@@ -149,12 +162,28 @@ def build_table(store: dict, faults: dict | None = None) -> str:
         lines += ["", "Fitted time exponent: " + "; ".join(fits), ""]
         paged = []
         for impl, title in IMPLS:
-            per_n = [f"{faults[(mode, impl, n)]:.0f}" for n in lengths if (mode, impl, n) in faults]
+            per_n = [f"{n // 1024}K {faults[(mode, impl, n)]:.0f}" for n in lengths if (mode, impl, n) in faults]
             if per_n:
-                paged.append(f"{title} {' / '.join(per_n)}")
+                paged.append(f"{title}: {', '.join(per_n)}")
         if paged:
-            ns = " / ".join(str(n) for n in lengths)
-            lines += [f"Page faults per call, MiB (N = {ns}): " + "; ".join(paged), ""]
+            lines += ["Page faults per measured call, MiB: " + "; ".join(paged), ""]
+    memory = memory or {}
+    if memory:
+        lines += ["## peak tensor memory of causal fwd+bwd", ""]
+        mem_ns = sorted({n for (_, n) in memory})
+        lines += ["| N | " + " | ".join(t for i, t in IMPLS if any(k[0] == i for k in memory)) + " |"]
+        shown = [i for i, _ in IMPLS if any(k[0] == i for k in memory)]
+        lines += ["|" + "---|" * (len(shown) + 1)]
+        for n in mem_ns:
+            cells = [f"{memory[(i, n)] / 2**20:.1f} MiB" if (i, n) in memory else "-" for i in shown]
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        fits = []
+        for impl in shown:
+            pts = [(n, float(memory[(impl, n)])) for n in mem_ns if (impl, n) in memory]
+            e = _exponent(pts)
+            if e is not None:
+                fits.append(f"{dict(IMPLS)[impl]} {e:.2f} (N={pts[0][0]}..{pts[-1][0]})")
+        lines += ["", "Fitted memory exponent: " + "; ".join(fits), ""]
     lines += ["## Goals", ""]
 
     def get(mode: str, impl: str, n: int) -> float | None:
@@ -190,14 +219,17 @@ def build_table(store: dict, faults: dict | None = None) -> str:
     for mode in ("causal fwd", "causal fwd+bwd"):
         pts = [(n, store[(mode, "kernelattn", n)]) for n in lengths if n >= 4096 and (mode, "kernelattn", n) in store]
         goal(f"{mode} time exponent N=4K..32K <= 1.05", _exponent(pts), lambda e: e <= 1.05, "{:.2f}")
+    mem_ns = sorted(n for (impl, n) in memory if impl == "kernelattn")
+    pts = [(n, float(memory[("kernelattn", n)])) for n in mem_ns]
+    goal("causal fwd+bwd peak memory exponent (linear: <= 1.05)", _exponent(pts), lambda e: e <= 1.05, "{:.2f}")
     return "\n".join(lines) + "\n"
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
     store = config.stash.get(RESULTS, {})
-    if not store:
+    if not store and not config.stash.get(MEMORY, {}):
         return
-    table = build_table(store, config.stash.get(FAULTS, {}))
+    table = build_table(store, config.stash.get(FAULTS, {}), config.stash.get(MEMORY, {}))
     name = "engine_table.md" if allocator_mode() == "default" else f"engine_table-{allocator_mode()}.md"
     out = Path(config.rootpath) / ".benchmarks" / name
     out.parent.mkdir(parents=True, exist_ok=True)

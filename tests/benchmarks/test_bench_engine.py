@@ -136,6 +136,26 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt * resource.getpagesize()
 
 
+@pytest.mark.parametrize("n", (4096, 8192, 16384, 32768))
+@pytest.mark.parametrize("impl", ("kernelattn", "sdpa", "fla"))
+def test_engine_memory(benchmark, record_memory, impl: str, n: int) -> None:  # type: ignore[no-untyped-def]
+    """Peak tensor memory of one causal forward + backward (counted by a dispatch mode that
+    sees every allocation, the backward's too; the inputs are not counted). The time
+    pytest-benchmark shows for it includes the counting and is no speed figure."""
+    if impl == "sdpa" and n > 16384:
+        pytest.skip("SDPA is not run beyond N=16384 (too slow)")
+    from kernelattn_core.cli.measure import peak_memory
+
+    benchmark.group = "peak memory of causal fwd+bwd (times include the counting)"
+    fn = _make(impl, True)
+    q, k, v = _inputs(n, True)
+
+    def measure() -> int:
+        return peak_memory(lambda: torch.autograd.grad(fn(q, k, v).sum(), (q, k, v)), q.device)
+
+    record_memory(impl, n, benchmark.pedantic(measure, rounds=1, iterations=1))
+
+
 @pytest.mark.parametrize("chunk", [32, 64, 128])
 def test_causal_chunk_size(benchmark, chunk: int) -> None:  # type: ignore[no-untyped-def]
     """How the default chunk length was chosen: forward + backward at N = 4096."""
