@@ -84,29 +84,12 @@ def bench(session: nox.Session) -> None:
     (``engine_table-no-trim.md``)."""
     install_all(session)
     session.install(TORCH, *BENCH_ANCHORS)
-    session.run(
-        "pytest",
-        "tests/benchmarks",
-        *(f"{p}/tests" for p in PLUGINS),
-        "-m",
-        "benchmark",
-        "--benchmark-only",
-        "--benchmark-columns=min,median,max,rounds",
-        *session.posargs,
-    )
+    bench_only = ("-m", "benchmark", "--benchmark-only", "--benchmark-columns=min,median,max,rounds")
+    session.run("pytest", "tests/benchmarks", *(f"{p}/tests" for p in PLUGINS), *bench_only, *session.posargs)
     # the engine benchmark again with glibc told to keep freed memory: the same table
     # without page faults (.benchmarks/engine_table-no-trim.md; tests/benchmarks/conftest.py)
-    session.run(
-        "pytest",
-        "tests/benchmarks",
-        "-m",
-        "benchmark",
-        "--benchmark-only",
-        "-k",
-        "test_engine",
-        "--benchmark-columns=min,median,max,rounds",
-        env={"MALLOC_TRIM_THRESHOLD_": str(2**40), "MALLOC_MMAP_THRESHOLD_": str(2**25), "MALLOC_MMAP_MAX_": "0"},
-    )
+    no_trim = {"MALLOC_TRIM_THRESHOLD_": str(2**40), "MALLOC_MMAP_THRESHOLD_": str(2**25), "MALLOC_MMAP_MAX_": "0"}
+    session.run("pytest", "tests/benchmarks", *bench_only, "-k", "test_engine", env=no_trim)
     # the figures of docs/benchmarks.rst
     session.install(f"{ROOT}[plot]")
     out = ROOT / "docs" / "_static" / "bench"

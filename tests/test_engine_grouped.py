@@ -162,7 +162,7 @@ def test_scale_and_normaliser_inside_the_groups(causal: bool) -> None:
 
     def inside(a, b, c):  # type: ignore[no-untyped-def]
         (out,) = grouped_feature_attention(
-            fm, a, b, c, causal=causal, key_padding_mask=mask, group=32, scale=0.7, normalize=norm.normalize
+            fm, a, b, c, causal=causal, key_padding_mask=mask, group=32, scale=0.7, normalizer=norm
         )
         return out
 
@@ -391,3 +391,106 @@ def test_peak_memory_of_forward_and_backward_is_linear_in_n(causal: bool) -> Non
 
     assert 1.8 <= _increments_ratio(grouped) <= 2.4  # measured 2.0 (causal), 2.13
     assert _increments_ratio(naive) > 3.0
+
+
+def test_a_redraw_or_a_changed_mask_between_forward_and_backward_leaves_the_gradients_alone() -> None:
+    """The backward pass recomputes the features with the map's buffers and the mask as
+    the forward pass saw them (a second training call may redraw, or a caller reuse the
+    mask tensor): the gradients are those of the forward pass that was run."""
+    est = ka.create("prf", num_features=16, head_dim=8, seed=0, redraw_every=1).double().train()
+    q, k, v = _qkv(40, seed=15)
+    mask = torch.zeros(2, 40, dtype=torch.bool)
+    mask[1, 30:] = True
+    grads = []
+    for disturb in (False, True):
+        a = q.clone().requires_grad_(True)
+        torch.manual_seed(0)
+        est.redraw_policy = type(est.redraw_policy)(1, 0)  # the same draws for both runs
+        m = mask.clone()
+        out = est(a, k, v, causal=True, key_padding_mask=m)
+        if disturb:
+            est(q, k, v, causal=True)  # a redraw of the features, in place
+            m.zero_()  # and the caller reuses its mask tensor
+        out.sum().backward()
+        grads.append(a.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+class _ScaledRow(ka.Normalizer):
+    """A normaliser with a trainable parameter inside ``normalize`` (test only)."""
+
+    name = "test-scaled-row"
+    learnable = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = torch.nn.Parameter(torch.tensor(0.5, dtype=F64))
+
+    def normalize(self, num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+        return super().normalize(num, den) * self.t
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_normaliser_parameter_gets_its_gradient(causal: bool) -> None:
+    """The normaliser runs per group inside the engine; its parameters are inputs of the
+    engine's Function and get the gradient of the one-shot path."""
+    norm = _ScaledRow()
+    est = ka.FeatureMapAttention("prf", norm, num_features=16, head_dim=8, seed=0).double()
+    fm = est.feature_map
+    q, k, v = _qkv(50, seed=16)
+    est(q, k, v, causal=causal).pow(2).sum().backward()  # q, k, v need no gradient: only t
+    got = norm.t.grad.clone()
+    norm.t.grad = None
+    s = 8**-0.25
+    num, den = feature_attention_torch(
+        fm.raw_features(q * s, query=True),
+        fm.raw_features(k * s, query=False),
+        v,
+        log_space=True,
+        causal=causal,
+        key_padding_mask=None,
+    )
+    norm.normalize(num, den).pow(2).sum().backward()
+    torch.testing.assert_close(got, norm.t.grad, rtol=1e-10, atol=0)
+
+
+class _KeyOnly(ka.FeatureMap):
+    """Queries get constant features, so the output does not depend on ``q`` (test only)."""
+
+    name = "test-key-only"
+    random = False
+    has_budget = False
+
+    def _feature_dim(self) -> int:
+        return self.head_dim  # type: ignore[return-value]
+
+    def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        return torch.ones_like(x) if is_query else torch.nn.functional.elu(x) + 1.0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_an_input_the_output_does_not_depend_on_gets_a_zero_gradient(causal: bool) -> None:
+    est = ka.FeatureMapAttention(_KeyOnly(head_dim=8)).double()
+    q, k, v = (t.requires_grad_(True) for t in _qkv(300, seed=17))
+    est(q, k, v, causal=causal).sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q))  # not uninitialised memory
+    assert k.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_autocast_does_not_change_the_engine_s_precision(causal: bool) -> None:
+    """Under CPU bfloat16 autocast the engine still computes in float32 (the forward and
+    the backward's recomputation alike): outputs and gradients equal the float32 call.
+    Large key log-features make a bfloat16 recomputation visibly wrong."""
+    est = ka.create("prf", num_features=16, head_dim=8, seed=0)
+    q, k, v = (t.float() for t in _qkv(40, seed=18))
+    k = 2 * k + 40.0
+    results = []
+    for autocast in (False, True):
+        a, b, c = (t.clone().requires_grad_(True) for t in (q, k, v))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = est(a, b, c, causal=causal)
+        (out.float() * torch.linspace(-1, 1, 8)).sum().backward()
+        results.append((out.float(), a.grad, b.grad, c.grad))
+    for plain, autocast in zip(*results):
+        torch.testing.assert_close(autocast, plain, rtol=1e-6, atol=1e-6)

@@ -323,6 +323,8 @@ class FeatureMapAttention(AttentionEstimator):
         ``prepare`` are the identity, and ``_attend`` is not overridden."""
         if (
             type(self)._attend is not FeatureMapAttention._attend
+            or type(self)._pre is not FeatureMapAttention._pre
+            or type(self)._attend_features is not FeatureMapAttention._attend_features
             or type(self.normalizer).pre is not Normalizer.pre
             or type(self.feature_map).prepare is not FeatureMap.prepare
         ):
@@ -339,7 +341,8 @@ class FeatureMapAttention(AttentionEstimator):
         if not fm.built:
             self.redraw_policy.initial(fm, q.shape[-1])
         self.redraw_policy.before_forward(fm, self.training)
-        fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)  # root != 1: the no-op
+        # with root != 1, _attend_scaled made sure that prepare is the base class's no-op
+        fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)
         problem = Problem(q.device, q.dtype, fm.log_space, causal, torch.is_grad_enabled())
         backend = select_backend(problem, self.backend)
         self.last_backend = backend.name
@@ -348,7 +351,7 @@ class FeatureMapAttention(AttentionEstimator):
         out = attend_normalized(
             backend,
             fm,
-            self.normalizer.normalize,
+            self.normalizer,
             q,
             k,
             v,

@@ -190,7 +190,7 @@ def attend_features(
 def attend_normalized(
     backend: Backend,
     feature_map: Any,
-    normalize: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    normalizer: Any,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -200,13 +200,15 @@ def attend_normalized(
     chunk_size: int | None,
     scale: float = 1.0,
 ) -> torch.Tensor:
-    """``normalize(num, den)`` of :func:`attend_features` on ``scale * q`` and ``scale * k``.
+    """``normalizer.normalize(num, den)`` of :func:`attend_features` on ``scale * q`` and
+    ``scale * k``.
 
-    The torch backend applies ``scale`` and ``normalize`` group by group inside its grouped
-    pass (:mod:`kernelattn_core.engine.grouped`), so no whole-sequence scaled copy of the
-    inputs, gradient of ``num`` or normaliser temporary is formed; other backends get
-    the scaled inputs and the normaliser runs on their ``num`` and ``den``.
-    ``normalize`` must act row by row (every normaliser does).
+    The torch backend applies ``scale`` and the normaliser group by group inside its
+    grouped pass (:mod:`kernelattn_core.engine.grouped`), so no whole-sequence scaled copy
+    of the inputs, gradient of ``num`` or normaliser temporary is formed; other backends
+    get the scaled inputs and the normaliser runs on their ``num`` and ``den``.
+    ``normalize`` acts row by row (the :class:`~kernelattn_core.interfaces.Normalizer`
+    contract).
     """
     if backend.name == "torch":
         from .grouped import grouped_feature_attention
@@ -220,7 +222,7 @@ def attend_normalized(
             key_padding_mask=key_padding_mask,
             chunk_size=chunk_size,
             scale=scale,
-            normalize=normalize,
+            normalizer=normalizer,
         )
         return out
     if scale != 1.0:
@@ -228,7 +230,7 @@ def attend_normalized(
     num, den = attend_features(
         backend, feature_map, q, k, v, causal=causal, key_padding_mask=key_padding_mask, chunk_size=chunk_size
     )
-    return normalize(num, den)
+    return normalizer.normalize(num, den)
 
 
 def _interpreting() -> bool:

@@ -137,8 +137,11 @@ def _stabilisers(
     return mc, p, r, (m_prev - m_end).exp()
 
 
-#: positions per group: chunks are processed in groups of this many positions so that
-#: the transient work space (``C x C`` blocks, chunk states) stays bounded in ``N``.
+#: positions per group of the core: chunks are processed in groups of this many positions
+#: so that the transient work space (``C x C`` blocks, chunk states) stays bounded in
+#: ``N``. Matters for direct callers of :func:`causal_linear_attention` (decoding, sequence
+#: parallelism); the torch backend's grouped engine (:mod:`kernelattn_core.engine.grouped`)
+#: hands the core one group of its own (at most a few thousand positions) at a time.
 #: Slicing a group out of ``[B, H, N, D]`` makes the batched products copy their
 #: operands, so groups are large (forward 25 % faster than groups of 1024 at N = 4096).
 GROUP = 4096

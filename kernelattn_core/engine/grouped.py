@@ -11,24 +11,29 @@ formed, in the forward pass or in the backward pass:
   the chunked core, :func:`~kernelattn_core.engine.torch_backend.finish_causal`), so the
   result is the one causal call's, prefix stabiliser and non-finite isolation included.
   Non-causal: one pass over the key groups accumulates
-  :math:`S = \\sum_j \\hat\\phi_k(k_j) [v_j, 1]^\\top` at the running maximum :math:`c` of
-  the key log-features (restated by :math:`e^{c_{old} - c_{new}} \\le 1` when it grows),
-  one pass over the query groups forms :math:`\\hat\\phi_q(q_t)^\\top S`.
-* **Backward** (:class:`torch.autograd.Function`). Only the inputs, the
-  :math:`O(N / G)` states entering the groups (``[B, H, D, d_v + 1]`` each) and the
-  stabilisers are kept. The groups run backwards; each group's features are recomputed
-  under a local autograd graph of that group alone, the core's gradients come from the
-  transposed recurrence
-  (:func:`~kernelattn_core.engine.chunked.causal_linear_attention_backward`), which also
-  gives :math:`\\bar S` for the previous group, and the local graph carries them to
-  ``q``, ``k``, ``v`` and the map's parameters. Non-causal, with
-  :math:`o_t = \\hat\\phi_q(q_t)^\\top S`:
+  :math:`S = \\sum_j \\hat\\phi_k(k_j) v_j^\\top` and :math:`z = \\sum_j \\hat\\phi_k(k_j)` at
+  the running maximum :math:`c` of the key log-features (restated by
+  :math:`e^{c_{old} - c_{new}} \\le 1` when it grows), one pass over the query groups
+  forms :math:`\\mathrm{num}_t = \\hat\\phi_q(q_t)^\\top S` and
+  :math:`\\mathrm{den}_t = \\hat\\phi_q(q_t)^\\top z`.
+* **Backward** (:class:`torch.autograd.Function`). Only the inputs, ``num`` and ``den``,
+  the :math:`O(N / G)` states entering the groups (``[B, H, D, d_v + 1]`` each) are
+  kept. The groups run backwards; each group's features are recomputed under a local
+  autograd graph of that group alone, the core's gradients come from the transposed
+  recurrence (:func:`~kernelattn_core.engine.chunked.causal_linear_attention_backward`),
+  which also gives :math:`\\bar S` for the previous group, and the local graph carries
+  them to ``q``, ``k``, ``v`` and the map's parameters. Non-causal:
 
   .. math::
-      \\bar S = \\sum_t \\hat\\phi_q(q_t)\\, \\bar o_t^\\top, \\qquad
-      \\bar\\phi_q(q_t) = S\\, \\bar o_t, \\qquad
-      \\bar\\phi_k(k_j) = \\bar S\\, [v_j, 1], \\qquad
-      \\overline{[v_j, 1]} = \\bar S^\\top \\hat\\phi_k(k_j).
+      \\bar S = \\sum_t \\hat\\phi_q(q_t)\\, \\overline{\\mathrm{num}}_t^\\top, \\quad
+      \\bar z = \\sum_t \\hat\\phi_q(q_t)\\, \\overline{\\mathrm{den}}_t, \\quad
+      \\bar\\phi_q(q_t) = S\\, \\overline{\\mathrm{num}}_t + z\\, \\overline{\\mathrm{den}}_t, \\quad
+      \\bar\\phi_k(k_j) = \\bar S\\, v_j + \\bar z, \\quad
+      \\bar v_j = \\bar S^\\top \\hat\\phi_k(k_j).
+
+  With a normaliser, its forward and backward run on each group's rows too (a local
+  graph over ``num`` and ``den`` of the group), and the estimator's :math:`\\sqrt{s}`
+  is applied to each group's ``q`` and ``k`` on the way in.
 
 Training memory beyond the inputs, outputs and their gradients is one group's work
 space plus :math:`O((N / G) D d_v)`; every large temporary has the same size on every
@@ -42,12 +47,14 @@ derivative through feature-map attention raises an error.
 
 Feature maps act token by token (a position's features depend on that position's input
 only) and take their trainable tensors from ``parameters()``; both are part of the
-:class:`~kernelattn_core.interfaces.FeatureMap` contract.
+:class:`~kernelattn_core.interfaces.FeatureMap` contract. Padded keys are set to 0 before
+the map, so a padded position's own gradient is exactly 0 whatever it holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,18 +82,24 @@ def group_length(batch_heads: int, width: int, itemsize: int, chunk: int) -> int
 
 @dataclass
 class _Call:
-    """The non-tensor arguments of one grouped call."""
+    """The non-tensor arguments of one grouped call, and what its backward pass reuses."""
 
     fm: Any
     log_space: bool
+    #: a copy taken at the forward pass (a mask changed afterwards cannot move the gradients)
     key_padding_mask: torch.Tensor | None
     chunk: int
     group: int
     dtype: torch.dtype
     scale: float
-    normalize: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+    normalizer: Any | None
     #: whether a backward pass may follow (autograd on and an input needs a gradient)
     keep: bool
+    #: how many of the trailing inputs are the map's parameters (the rest: the normaliser's)
+    n_map: int
+    #: the map's floating buffers as the forward pass saw them (the backward recomputes the
+    #: features with these, even if a redraw or a running statistic changed them since)
+    buffers: dict[str, torch.Tensor]
 
     def spans(self, n: int) -> list[tuple[int, int]]:
         return [(g0, min(n, g0 + self.group)) for g0 in range(0, n, self.group)]
@@ -103,45 +116,87 @@ class _Call:
             k = k.masked_fill(mask[:, None, :, None], 0.0)
         return self.features(k, False)
 
-    def grads(
-        self, out_bar: tuple[torch.Tensor, ...], num: torch.Tensor, den: torch.Tensor, g0: int, g1: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gradients of ``num`` ``[B, H, G, dv]`` and ``den`` ``[B, H, G]`` on positions
-        ``[g0, g1)``: given, or through the normaliser (recomputed on the group's rows under
-        a local graph)."""
-        if self.normalize is None:
-            num_bar, den_bar = (g[:, :, g0:g1] for g in out_bar)
-        else:
-            nl, dl = num[:, :, g0:g1].detach().requires_grad_(), den[:, :, g0:g1].detach().requires_grad_()
-            with torch.enable_grad():
-                out = self.normalize(nl, dl)
-            num_bar, den_bar = torch.autograd.grad(out, (nl, dl), out_bar[0][:, :, g0:g1])
-        return num_bar.to(self.dtype), den_bar.to(self.dtype)
-
     def mask(self, g0: int, g1: int) -> torch.Tensor | None:
         return None if self.key_padding_mask is None else self.key_padding_mask[:, g0:g1]
 
+    def num_den_bars(
+        self,
+        out_bar: tuple[torch.Tensor, ...],
+        num: torch.Tensor,
+        den: torch.Tensor,
+        g0: int,
+        g1: int,
+        norm_params: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
+        """Gradients of ``num`` ``[B, H, G, dv]`` and ``den`` ``[B, H, G]`` on positions
+        ``[g0, g1)`` (given, or through the normaliser recomputed on the group's rows under a
+        local graph), and the group's part of the normaliser parameters' gradients."""
+        if self.normalizer is None:
+            num_bar, den_bar = (g[:, :, g0:g1] for g in out_bar)
+            return num_bar.to(self.dtype), den_bar.to(self.dtype), []
+        nl, dl = num[:, :, g0:g1].detach().requires_grad_(), den[:, :, g0:g1].detach().requires_grad_()
+        with torch.enable_grad():
+            out = self.normalizer.normalize(nl, dl)
+        num_bar, den_bar, *parts = _local_grads((out,), (out_bar[0][:, :, g0:g1],), [nl, dl, *norm_params])
+        return num_bar.to(self.dtype), den_bar.to(self.dtype), parts  # type: ignore[union-attr]
 
-class _Sink:
-    """Where a forward pass writes each group's rows: the normalised output (with a
-    normaliser) or ``num`` and ``den``; ``num`` and ``den`` are kept for the backward
-    pass only when one will run."""
+    @contextlib.contextmanager
+    def replay(self, device: torch.device) -> Iterator[None]:
+        """Recompute as the forward pass did: the saved buffers in the map, autocast off."""
+        with _buffers_swapped(self.fm, self.buffers), _no_autocast(device):
+            yield
+
+
+@contextlib.contextmanager
+def _buffers_swapped(module: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> Iterator[None]:
+    """``module``'s buffers replaced by ``buffers`` (dotted names) for the duration."""
+    saved = []
+    try:
+        for name, value in buffers.items():
+            owner_name, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            saved.append((owner, leaf, owner._buffers[leaf]))
+            owner._buffers[leaf] = value
+        yield
+    finally:
+        for owner, leaf, value in reversed(saved):
+            owner._buffers[leaf] = value
+
+
+def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Autocast off on ``device``: the engine computes in :func:`compute_dtype` (float32
+    for half inputs) whatever the autocast state, in the forward pass and in its replay."""
+    try:
+        return torch.autocast(device.type, enabled=False)
+    except RuntimeError:  # pragma: no cover - a device type autocast does not know
+        return contextlib.nullcontext()
+
+
+class _Rows:
+    """Where the forward pass writes each group's rows.
+
+    * ``out``: the normalised rows, when the call has a normaliser (the result);
+    * ``num`` and ``den``: the result without a normaliser; with one, kept only when a
+      backward pass may follow (the normaliser's backward is recomputed from them).
+    """
 
     def __init__(self, call: _Call, b: int, h: int, n: int, dv: int, device: torch.device) -> None:
-        self.call = call
-        keep = call.keep or call.normalize is None
-        self.num = torch.empty(b, h, n, dv, dtype=call.dtype, device=device) if keep else None
-        self.den = torch.empty(b, h, n, dtype=call.dtype, device=device) if keep else None
-        self.out = None if call.normalize is None else torch.empty(b, h, n, dv, dtype=call.dtype, device=device)
+        self.normalizer = call.normalizer
+        new = {"dtype": call.dtype, "device": device}
+        keep_num_den = call.keep or call.normalizer is None
+        self.num = torch.empty(b, h, n, dv, **new) if keep_num_den else None
+        self.den = torch.empty(b, h, n, **new) if keep_num_den else None
+        self.out = None if call.normalizer is None else torch.empty(b, h, n, dv, **new)
 
     def put(self, g0: int, g1: int, num: torch.Tensor, den: torch.Tensor) -> None:
         if self.num is not None:
             self.num[:, :, g0:g1], self.den[:, :, g0:g1] = num, den  # type: ignore[index]
         if self.out is not None:
-            self.out[:, :, g0:g1] = self.call.normalize(num, den)  # type: ignore[misc]
+            self.out[:, :, g0:g1] = self.normalizer.normalize(num, den)
 
     @property
     def saved(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``num`` and ``den`` for the backward pass (``None`` when none will run)."""
         return self.num, self.den
 
     def result(self) -> tuple[torch.Tensor, ...]:
@@ -167,17 +222,38 @@ def _local_grads(
     return [next(it) if x.requires_grad else None for x in inputs]
 
 
-def _add(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
-    if part is None:
-        return total
-    return part if total is None else total.add_(part)
+class _Bars:
+    """The gradients a backward pass returns: ``q``, ``k``, ``v`` written group by group
+    (zeros where an input does not reach the output), parameters summed over groups."""
+
+    def __init__(self, ctx: Any, inputs: tuple[torch.Tensor, ...], n_params: int) -> None:
+        need = ctx.needs_input_grad[1:4]
+        self.inputs = [torch.empty_like(t) if w else None for t, w in zip(inputs, need)]
+        self.params: list[torch.Tensor | None] = [None] * n_params
+
+    def put(self, j: int, g0: int, g1: int, part: torch.Tensor | None) -> None:
+        target = self.inputs[j]
+        if target is None:
+            return
+        if part is None:  # this input does not reach the output here
+            target[:, :, g0:g1] = 0.0
+        else:
+            target[:, :, g0:g1] = part
+
+    def add(self, first: int, parts: list[torch.Tensor | None]) -> None:
+        for j, part in enumerate(parts, start=first):
+            if part is not None:
+                self.params[j] = part if self.params[j] is None else self.params[j].add_(part)  # type: ignore[union-attr]
+
+    def result(self) -> tuple[torch.Tensor | None, ...]:
+        return (None, *self.inputs, *self.params)  # None: the call's arguments
 
 
 class _GroupedCausal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, q, k, v, *params):  # type: ignore[no-untyped-def, override]
         b, h, n, _ = q.shape
-        sink = _Sink(call, b, h, n, v.shape[-1], q.device)
+        rows = _Rows(call, b, h, n, v.shape[-1], q.device)
         states: list[CausalState | None] = []
         state = None
         for g0, g1 in call.spans(n):
@@ -194,38 +270,36 @@ class _GroupedCausal(torch.autograd.Function):
                 prep.fq, prep.fk, prep.v1, prep.s0, prep.m, prep.m0, call.chunk
             )
             num, den, state = finish_causal(out, s_final, prep, state)
-            sink.put(g0, g1, num, den)
+            rows.put(g0, g1, num, den)
             del prep, out, num, den
         ctx.call, ctx.states = call, states
-        ctx.save_for_backward(q, k, v, *sink.saved, *params)
-        return sink.result()
+        ctx.save_for_backward(q, k, v, *rows.saved, *params)
+        return rows.result()
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *out_bar):  # type: ignore[no-untyped-def, override]
         call: _Call = ctx.call
         q, k, v, num, den, *params = ctx.saved_tensors
-        need = ctx.needs_input_grad[1:4]
-        n = q.shape[2]
-        grads: list[torch.Tensor | None] = [None] * (3 + len(params))
-        inputs_bar = [torch.empty_like(t) if w else None for t, w in zip((q, k, v), need)]  # groups tile [0, N)
+        map_params, norm_params = params[: call.n_map], params[call.n_map :]
+        bars = _Bars(ctx, (q, k, v), len(params))
         s_bar = None  # gradient of the state leaving the current group
-        for i, (g0, g1) in reversed(list(enumerate(call.spans(n)))):
-            state = ctx.states[i]
-            leaves = [_leaf(t, g0, g1, w) for t, w in zip((q, k, v), need)]
-            with torch.enable_grad():
+        for i, (g0, g1) in reversed(list(enumerate(call.spans(q.shape[2])))):
+            leaves = [_leaf(t, g0, g1, w) for t, w in zip((q, k, v), ctx.needs_input_grad[1:4])]
+            with torch.enable_grad(), call.replay(q.device):
                 prep = prepare_causal(
                     call.features(leaves[0], True),
                     call.key_features(leaves[1], g0, g1),
                     leaves[2].to(call.dtype),
                     call.log_space,
                     call.mask(g0, g1),
-                    state,
+                    ctx.states[i],
                 )
-            num_bar, den_bar = call.grads(out_bar, num, den, g0, g1)
-            ob = torch.cat([num_bar, den_bar.unsqueeze(-1)], dim=-1)  # [B, H, G, dv + 1]
+            num_bar, den_bar, norm_parts = call.num_den_bars(out_bar, num, den, g0, g1, norm_params)
+            bars.add(call.n_map, norm_parts)
+            o_bar = torch.cat([num_bar, den_bar.unsqueeze(-1)], dim=-1)  # [B, H, G, dv + 1]
             if prep.poison is not None:  # NaN rows: masked_fill's gradient there is 0
-                ob = ob.masked_fill(prep.poison.unsqueeze(-1), 0.0)
+                o_bar = o_bar.masked_fill(prep.poison.unsqueeze(-1), 0.0)
             fq_bar, fk_bar, v1_bar, s_bar = causal_linear_attention_backward(
                 prep.fq.detach(),
                 prep.fk.detach(),
@@ -234,18 +308,15 @@ class _GroupedCausal(torch.autograd.Function):
                 prep.m,
                 prep.m0,
                 call.chunk,
-                ob,
+                o_bar,
                 s_bar,
             )
-            local = _local_grads((prep.fq, prep.fk, prep.v1), (fq_bar, fk_bar, v1_bar), [*leaves, *params])
-            for j, part in enumerate(local[:3]):
-                if part is not None:
-                    inputs_bar[j][:, :, g0:g1] = part  # type: ignore[index]
-            for j, part in enumerate(local[3:]):
-                grads[3 + j] = _add(grads[3 + j], part)
+            local = _local_grads((prep.fq, prep.fk, prep.v1), (fq_bar, fk_bar, v1_bar), [*leaves, *map_params])
+            for j in range(3):
+                bars.put(j, g0, g1, local[j])
+            bars.add(0, local[3:])
             del prep, local
-        grads[:3] = inputs_bar
-        return None, *grads
+        return bars.result()
 
 
 class _GroupedNonCausal(torch.autograd.Function):
@@ -258,7 +329,7 @@ class _GroupedNonCausal(torch.autograd.Function):
         z = torch.zeros(b, h, width, 1, dtype=call.dtype, device=q.device)  # sum of phi_k
         c_run = torch.full((b, h, 1, 1), float("-inf"), dtype=call.dtype, device=q.device)
         for g0, g1 in call.spans(k.shape[2]):
-            fk, vg, c_new = _key_group(call, k[:, :, g0:g1], v[:, :, g0:g1], g0, g1, c_run)
+            fk, vg, c_new = _key_group(call, k[:, :, g0:g1], v[:, :, g0:g1], g0, g1, c_run, grow=True)
             if call.log_space:  # the sums so far, restated at the new maximum (factor <= 1)
                 restate = torch.where(torch.isfinite(c_run), (c_run - _safe(c_new)).exp(), torch.zeros_like(c_run))
                 s.mul_(restate)
@@ -266,30 +337,29 @@ class _GroupedNonCausal(torch.autograd.Function):
                 c_run = c_new
             s.add_(fk.transpose(-1, -2) @ vg)
             z.add_(fk.sum(-2).unsqueeze(-1))
-        sink = _Sink(call, b, h, n, dv, q.device)
+        rows = _Rows(call, b, h, n, dv, q.device)
         for g0, g1 in call.spans(n):
             fq = query_side(call.features(q[:, :, g0:g1], True), call.log_space)  # [B, H, G, D]
-            sink.put(g0, g1, fq @ s, (fq @ z).squeeze(-1))
+            rows.put(g0, g1, fq @ s, (fq @ z).squeeze(-1))
         ctx.call, ctx.c = call, _safe(c_run)
-        ctx.save_for_backward(q, k, v, s, z, *sink.saved, *params)
-        return sink.result()
+        ctx.save_for_backward(q, k, v, s, z, *rows.saved, *params)
+        return rows.result()
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *out_bar):  # type: ignore[no-untyped-def, override]
         call: _Call = ctx.call
         q, k, v, s, z, num, den, *params = ctx.saved_tensors
+        map_params, norm_params = params[: call.n_map], params[call.n_map :]
         need_q, need_k, need_v = ctx.needs_input_grad[1:4]
-        grads: list[torch.Tensor | None] = [None] * (3 + len(params))
-        q_bar = torch.empty_like(q) if need_q else None  # groups tile [0, N)
-        k_bar = torch.empty_like(k) if need_k else None
-        v_bar = torch.empty_like(v) if need_v else None
+        bars = _Bars(ctx, (q, k, v), len(params))
         s_bar, z_bar = torch.zeros_like(s), torch.zeros_like(z)
         for g0, g1 in call.spans(q.shape[2]):  # queries: S-bar, z-bar and the queries' gradients
             leaf = _leaf(q, g0, g1, need_q)
-            with torch.enable_grad():
+            with torch.enable_grad(), call.replay(q.device):
                 fq = query_side(call.features(leaf, True), call.log_space)
-            num_bar, den_bar = call.grads(out_bar, num, den, g0, g1)
+            num_bar, den_bar, norm_parts = call.num_den_bars(out_bar, num, den, g0, g1, norm_params)
+            bars.add(call.n_map, norm_parts)
             den_bar = den_bar.unsqueeze(-1)  # [B, H, G, 1]
             fq_t = fq.detach().transpose(-1, -2)
             s_bar.add_(fq_t @ num_bar)
@@ -297,27 +367,21 @@ class _GroupedNonCausal(torch.autograd.Function):
             fq_bar = torch.baddbmm(
                 (den_bar * z.transpose(-1, -2)).flatten(0, 1), num_bar.flatten(0, 1), s.transpose(-1, -2).flatten(0, 1)
             ).view_as(fq)  # num-bar S^T + den-bar z^T
-            local = _local_grads((fq,), (fq_bar,), [leaf, *params])
-            if local[0] is not None:
-                q_bar[:, :, g0:g1] = local[0]  # type: ignore[index]
-            for j, part in enumerate(local[1:]):
-                grads[3 + j] = _add(grads[3 + j], part)
+            local = _local_grads((fq,), (fq_bar,), [leaf, *map_params])
+            bars.put(0, g0, g1, local[0])
+            bars.add(0, local[1:])
         for g0, g1 in call.spans(k.shape[2]):  # keys and values
             kl, vl = _leaf(k, g0, g1, need_k), _leaf(v, g0, g1, need_v)
-            with torch.enable_grad():
-                fk, vg, _ = _key_group(call, kl, vl, g0, g1, ctx.c)
+            with torch.enable_grad(), call.replay(q.device):
+                fk, vg, _ = _key_group(call, kl, vl, g0, g1, ctx.c, grow=False)
             fk_bar = torch.baddbmm(
                 z_bar.transpose(-1, -2).flatten(0, 1), vg.detach().flatten(0, 1), s_bar.transpose(-1, -2).flatten(0, 1)
             ).view_as(fk)  # v S-bar^T + z-bar^T (every row)
-            local = _local_grads((fk, vg), (fk_bar, fk.detach() @ s_bar), [kl, vl, *params])
-            if local[0] is not None:
-                k_bar[:, :, g0:g1] = local[0]  # type: ignore[index]
-            if local[1] is not None:
-                v_bar[:, :, g0:g1] = local[1]  # type: ignore[index]
-            for j, part in enumerate(local[2:]):
-                grads[3 + j] = _add(grads[3 + j], part)
-        grads[:3] = [q_bar, k_bar, v_bar]
-        return None, *grads
+            local = _local_grads((fk, vg), (fk_bar, fk.detach() @ s_bar), [kl, vl, *map_params])
+            bars.put(1, g0, g1, local[0])
+            bars.put(2, g0, g1, local[1])
+            bars.add(0, local[2:])
+        return bars.result()
 
 
 def _safe(c: torch.Tensor) -> torch.Tensor:
@@ -326,14 +390,14 @@ def _safe(c: torch.Tensor) -> torch.Tensor:
 
 
 def _key_group(
-    call: _Call, k: torch.Tensor, v: torch.Tensor, g0: int, g1: int, c: torch.Tensor
+    call: _Call, k: torch.Tensor, v: torch.Tensor, g0: int, g1: int, c: torch.Tensor, *, grow: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Key features ``[B, H, G, D]`` and values of one key group, padded keys and values 0
-    whatever they hold, and the stabiliser they are stated at.
+    whatever they hold, and the stabiliser ``c`` ``[B, H, 1, 1]`` they are stated at.
 
-    In log space the features are :math:`e^{l_k - c'}` with :math:`c' = \\max(c, \\max l_k)`
-    (``c`` ``[B, H, 1, 1]``: the running maximum in the forward pass, the final one in
-    the backward pass, where :math:`c' = c`); ``c'`` is returned.
+    In log space the features are :math:`e^{l_k - c}`. With ``grow`` (the forward pass),
+    ``c`` is the running maximum and first grows to :math:`\\max(c, \\max l_k)`; without
+    (the backward pass) it is the final maximum, used as it is.
     """
     lk = call.key_features(k, g0, g1)
     v = v.to(call.dtype)
@@ -344,7 +408,8 @@ def _key_group(
         lk = lk.masked_fill(pad, float("-inf") if call.log_space else 0.0)
     if not call.log_space:
         return lk, v, c
-    c = torch.maximum(c, lk.detach().amax(dim=(-2, -1), keepdim=True))
+    if grow:
+        c = torch.maximum(c, lk.detach().amax(dim=(-2, -1), keepdim=True))
     return (lk - _safe(c)).exp(), v, c
 
 
@@ -359,15 +424,17 @@ def grouped_feature_attention(
     chunk_size: int | None = None,
     group: int | None = None,
     scale: float = 1.0,
-    normalize: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    normalizer: Any | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Numerator ``[B, H, N, dv]`` and denominator ``[B, H, N]`` of feature-map attention,
     computed in position groups with the features made per group (module docstring); or,
-    with ``normalize``, the normalised output ``(out,)``.
+    with a ``normalizer``, the normalised output ``(out,)``.
 
     Equal to :func:`~kernelattn_core.engine.torch_backend.feature_attention_torch` on the
-    features of ``scale * q`` and ``scale * k`` (then ``normalize``), on outputs and
-    gradients, with or without autograd.
+    features of ``scale * q`` and ``scale * k`` (then ``normalizer.normalize``), on
+    outputs and gradients, with or without autograd. Computed in
+    :func:`~kernelattn_core.engine.torch_backend.compute_dtype` (float32 for half
+    inputs) with autocast off.
 
     Parameters
     ----------
@@ -375,7 +442,7 @@ def grouped_feature_attention(
         Built and prepared; its ``raw_features`` are called per group, and gradients
         reach its trainable ``parameters()``.
     q, k : Tensor ``[B, H, N, d]``, ``[B, H, M, d]``
-        Scaled queries and keys.
+        Queries and keys (scaled by ``scale`` on the way in).
     v : Tensor ``[B, H, M, dv]``
     causal : bool
     key_padding_mask : Tensor ``[B, M]`` of bool, optional
@@ -389,14 +456,15 @@ def grouped_feature_attention(
     scale : float
         Factor applied to ``q`` and ``k`` group by group before the features (the
         estimator's :math:`\\sqrt{s}`: no scaled copy of the whole inputs is made).
-    normalize : callable, optional
-        ``(num, den) -> out``, row by row (:meth:`~kernelattn_core.interfaces.Normalizer.normalize`);
+    normalizer : Normalizer, optional
+        Its :meth:`~kernelattn_core.interfaces.Normalizer.normalize` (row by row) is
         applied per group, its backward too, so neither ``num``'s gradient nor the
-        normaliser's temporaries are ever whole-sequence tensors.
+        normaliser's temporaries are ever whole-sequence tensors; gradients reach its
+        trainable ``parameters()``.
 
     Returns
     -------
-    ``(num, den)``, or ``(out,)`` with ``normalize``.
+    ``(num, den)``, or ``(out,)`` with a ``normalizer``.
     """
     fm = feature_map
     fm.raw_features(q[:, :, :0], query=True)  # builds an unbuilt map, checks d (naming q)
@@ -406,9 +474,14 @@ def grouped_feature_attention(
     g = group or group_length(b * h, fm.feature_dim, torch.finfo(dtype).bits // 8, chunk)
     if causal:
         g = -(-g // chunk) * chunk  # groups hold whole chunks
-    params = [p for p in fm.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
-    keep = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *params))
-    call = _Call(fm, fm.log_space, key_padding_mask, chunk, g, dtype, float(scale), normalize, keep)
+    grad = torch.is_grad_enabled()
+    map_params = [p for p in fm.parameters() if p.requires_grad] if grad else []
+    norm_params = [p for p in normalizer.parameters() if p.requires_grad] if grad and normalizer is not None else []
+    keep = grad and any(t.requires_grad for t in (q, k, v, *map_params, *norm_params))
+    mask = key_padding_mask.clone() if keep and key_padding_mask is not None else key_padding_mask
+    buffers = {name: t.clone() for name, t in fm.named_buffers() if t.is_floating_point()} if keep else {}
+    call = _Call(fm, fm.log_space, mask, chunk, g, dtype, float(scale), normalizer, keep, len(map_params), buffers)
     fn = _GroupedCausal if causal else _GroupedNonCausal
-    out = fn.apply(call, q, k, v, *params)
+    with _no_autocast(q.device):
+        out = fn.apply(call, q, k, v, *map_params, *norm_params)
     return out if isinstance(out, tuple) else (out,)

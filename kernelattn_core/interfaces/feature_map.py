@@ -84,6 +84,13 @@ class FeatureMap(nn.Module, ABC):
     :meth:`_redraw` (fill the random buffers), :meth:`_feature_dim` and
     :meth:`_features`.
 
+    **Token by token.** :meth:`_features` maps each position on its own (the features of
+    row ``i`` depend on row ``i`` of the input only), deterministically between redraws,
+    and every trainable tensor it uses is one of the map's ``parameters()``. The engine
+    relies on this: it computes the features of a group of positions at a time and
+    recomputes them in the backward pass (:mod:`kernelattn_core.engine.grouped`).
+    Statistics over a whole batch belong in :meth:`prepare`.
+
     The class attributes below are capability data, checked by the registry and the
     conformance kit.
 
