@@ -80,16 +80,11 @@ BENCH_ANCHORS = ("flash-linear-attention==0.6.0", "performer-pytorch==1.1.4")
 def bench(session: nox.Session) -> None:
     """Benchmarks (pytest-benchmark), compared as ratios within one run; the engine table
     (anchors SDPA, fla's pure-torch chunked form, performer-pytorch) is printed at the end
-    and written to ``.benchmarks/engine_table.md``, then measured again without page faults
-    (``engine_table-no-trim.md``)."""
+    and written to ``.benchmarks/engine_table.md`` (with page faults and peak memory)."""
     install_all(session)
     session.install(TORCH, *BENCH_ANCHORS)
     bench_only = ("-m", "benchmark", "--benchmark-only", "--benchmark-columns=min,median,max,rounds")
     session.run("pytest", "tests/benchmarks", *(f"{p}/tests" for p in PLUGINS), *bench_only, *session.posargs)
-    # the engine benchmark again with glibc told to keep freed memory: the same table
-    # without page faults (.benchmarks/engine_table-no-trim.md; tests/benchmarks/conftest.py)
-    no_trim = {"MALLOC_TRIM_THRESHOLD_": str(2**40), "MALLOC_MMAP_THRESHOLD_": str(2**25), "MALLOC_MMAP_MAX_": "0"}
-    session.run("pytest", "tests/benchmarks", *bench_only, "-k", "test_engine", env=no_trim)
     # the figures of docs/benchmarks.rst
     session.install(f"{ROOT}[plot]")
     out = ROOT / "docs" / "_static" / "bench"

@@ -1,17 +1,19 @@
 """Collects the engine benchmark's timings and prints the ratio table at the end of the run
-(also written to ``.benchmarks/engine_table.md``, or ``engine_table-no-trim.md`` when the
-C library is told not to return freed memory to the system; see :func:`allocator_mode`).
+(also written to ``.benchmarks/engine_table.md``; ``engine_table-no-trim.md`` when glibc
+was told to keep freed memory, see :func:`allocator_mode`).
 
-**The allocator is part of the measurement.** On Linux, glibc serves a freed block of
-more than its (dynamic) mmap threshold from fresh pages on the next call and returns
-the top of the heap to the system once more than the trim threshold is free there; every
-such page is faulted in again, at about 0.25 ms per MiB on the 2-core VM. Both
-thresholds only grow during a process's life, so without care the implementation that
-runs *first* in a pytest session pays page faults that the later ones do not. Before the
-first benchmark, :func:`steady_allocator` frees one 30 MiB block, which raises both
-thresholds to about what a long-running training process has (30 and 60 MiB), for every
-implementation alike. The page faults each implementation still pays per call are
-recorded and printed beside the times.
+**The allocator is part of the measurement.** On Linux, glibc serves a block of more
+than its (dynamic) mmap threshold from fresh pages, and returns the top of the heap to
+the system once more than the trim threshold is free there; every such page is faulted
+in again on the next call, at about 0.25 ms per MiB on the 2-core VM. Both thresholds
+only grow during a process's life, so without care the implementation that runs *first*
+in a pytest session pays page faults that the later ones do not. Before the first
+benchmark, :func:`steady_allocator` frees one 30 MiB block, which raises both thresholds
+to about what a long-running training process has (30 and 60 MiB), for every
+implementation alike. The page faults each implementation still pays per call depend
+on how much temporary memory it allocates; they are recorded and printed beside the
+times, since they explain most of the run-to-run spread of the anchors (fla's chunked
+form: 3 to 89 MiB per call at N = 4096, 27 to 51 ms).
 """
 
 from __future__ import annotations
@@ -31,9 +33,8 @@ MEMORY = pytest.StashKey[dict]()
 
 
 def allocator_mode() -> str:
-    """``"no-trim"`` when glibc is told to keep freed memory (``MALLOC_TRIM_THRESHOLD_`` set
-    before Python started: ``nox -s bench`` re-runs the engine benchmark so, to show the
-    times without page faults), else ``"default"``."""
+    """``"no-trim"`` when glibc was told to keep freed memory (``MALLOC_TRIM_THRESHOLD_`` set
+    before Python started), else ``"default"``."""
     return "no-trim" if "MALLOC_TRIM_THRESHOLD_" in os.environ else "default"
 
 
