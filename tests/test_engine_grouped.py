@@ -310,13 +310,47 @@ def test_no_whole_sequence_feature_tensor_is_kept_for_the_backward(causal: bool)
     assert sum(grouped) <= 6 * 2 * 3 * n * 8 + 4 * 64 * 9 * 2 * 3  # q, k, v, num, den + states
 
 
-def test_second_derivatives_are_refused_with_an_error() -> None:
+@pytest.mark.parametrize("name", ["prf", "elu", "gmm-prf"])
+def test_second_derivatives_by_gradgradcheck(name: str) -> None:
+    """Non-causal, ``create_graph=True`` takes a differentiable backward (the one-shot path
+    recomputed under autograd): second derivatives of q, k, v and the map's parameters,
+    with padding, checked by gradgradcheck in float64."""
+    causal = False
+    est = _est(name, d=4)
+    fm, norm = est.feature_map, est.normalizer
+    q, k, v = (t[:, :2] for t in _qkv(10, seed=12, d=4, dv=3))
+    mask = _mask(10)
+    params = [p for p in fm.parameters() if p.requires_grad]
+
+    def f(a, b, c, *ps):  # type: ignore[no-untyped-def]
+        (out,) = grouped_feature_attention(
+            fm, a, b, c, causal=causal, key_padding_mask=mask, chunk_size=3, group=4, scale=0.8, normalizer=norm
+        )
+        return out
+
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    assert torch.autograd.gradgradcheck(f, (*leaves, *params), eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+def test_a_gradient_penalty_trains_through_the_engine() -> None:
+    """Non-causal: the first-order gradients with ``create_graph=True`` equal the grouped
+    backward's, and a penalty on them back-propagates. Causal: refused with a clear error."""
     fm = _est("prf").feature_map
-    q, k, v = (t.requires_grad_(True) for t in _qkv(20, seed=12))
-    num, den = grouped_feature_attention(fm, q, k, v, causal=True, key_padding_mask=None)
-    (g,) = torch.autograd.grad(_ratio(num, den).sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable|twice"):
-        g.sum().backward()
+    q, k, v = _qkv(40, seed=19)
+    grads = []
+    for create_graph in (False, True):
+        a = q.clone().requires_grad_(True)
+        num, den = grouped_feature_attention(fm, a, k, v, causal=False, key_padding_mask=None, group=16)
+        (g,) = torch.autograd.grad(_ratio(num, den).pow(2).sum(), a, create_graph=create_graph)
+        grads.append(g)
+        if create_graph:
+            g.pow(2).sum().backward()
+            assert a.grad is not None and torch.isfinite(a.grad).all() and a.grad.abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-10, atol=1e-12)
+    a = q.clone().requires_grad_(True)
+    num, den = grouped_feature_attention(fm, a, k, v, causal=True, key_padding_mask=None, group=16)
+    with pytest.raises(ka.InputError, match="create_graph"):
+        torch.autograd.grad(_ratio(num, den).sum(), a, create_graph=True)
 
 
 def test_the_gate_of_moving_chunks_only_is_bit_identical_to_gating_every_chunk() -> None:

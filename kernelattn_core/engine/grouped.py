@@ -42,8 +42,12 @@ pages on every call, whose page faults made the one-shot form super-linear in ``
 The price is computing the features twice (once forward, once backward), one
 ``[N, d] x [d, D]`` product and an exponential per side.
 
-The backward pass is not itself differentiable (``once_differentiable``): a second
-derivative through feature-map attention raises an error.
+Second derivatives (``create_graph=True``, for gradient penalties) are supported for
+non-causal calls by a different route: that backward pass recomputes the one-shot path
+whole under autograd and differentiates it with a graph, so it has the one-shot path's
+memory (:func:`_differentiable_backward`). Causal calls refuse them with an
+:class:`~kernelattn_core.errors.InputError` (the chunked core's backward is its own
+first-order recurrence).
 
 Feature maps act token by token (a position's features depend on that position's input
 only) and take their trainable tensors from ``parameters()``; both are part of the
@@ -59,10 +63,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from ..errors import InputError
 from .chunked import DEFAULT_CHUNK, causal_linear_attention_backward, causal_linear_attention_forward
-from .torch_backend import CausalState, compute_dtype, finish_causal, prepare_causal, query_side
+from .torch_backend import (
+    CausalState,
+    compute_dtype,
+    feature_attention_torch,
+    finish_causal,
+    prepare_causal,
+    query_side,
+)
 
 #: bytes of one ``[B, H, G, D]`` feature block; the work space of a group (forward and
 #: backward) is about 12 such blocks. Chosen by measurement (causal, B = 1, H = 4,
@@ -277,8 +288,13 @@ class _GroupedCausal(torch.autograd.Function):
         return rows.result()
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *out_bar):  # type: ignore[no-untyped-def, override]
+        if torch.is_grad_enabled():
+            raise InputError(
+                "create_graph: second derivatives of causal feature-map attention are not supported "
+                "(the causal engine's backward is its own first-order recurrence); got create_graph=True. "
+                "Non-causal calls support them."
+            )
         call: _Call = ctx.call
         q, k, v, num, den, *params = ctx.saved_tensors
         map_params, norm_params = params[: call.n_map], params[call.n_map :]
@@ -346,8 +362,9 @@ class _GroupedNonCausal(torch.autograd.Function):
         return rows.result()
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *out_bar):  # type: ignore[no-untyped-def, override]
+        if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
+            return _differentiable_backward(ctx, out_bar)
         call: _Call = ctx.call
         q, k, v, s, z, num, den, *params = ctx.saved_tensors
         map_params, norm_params = params[: call.n_map], params[call.n_map :]
@@ -382,6 +399,37 @@ class _GroupedNonCausal(torch.autograd.Function):
             bars.put(2, g0, g1, local[1])
             bars.add(0, local[2:])
         return bars.result()
+
+
+def _differentiable_backward(ctx: Any, out_bar: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+    """The non-causal backward pass under ``create_graph=True``: the one-shot path
+    (:func:`~kernelattn_core.engine.torch_backend.feature_attention_torch` on the whole
+    sequence's features, then the normaliser) recomputed under autograd from the saved
+    inputs, with the forward pass's buffers and mask, and differentiated with a graph, so
+    that second derivatives reach ``q``, ``k``, ``v`` and the parameters. Equal to the
+    grouped backward; its memory is the one-shot path's (``[B, H, N, D]`` features)."""
+    call: _Call = ctx.call
+    q, k, v, _s, _z, _num, _den, *params = ctx.saved_tensors
+    mask = call.key_padding_mask
+    with call.replay(q.device):
+        kept = k if mask is None else k.masked_fill(mask[:, None, :, None], 0.0)  # as key_features
+        num, den = feature_attention_torch(
+            call.features(q, True),
+            call.features(kept, False),
+            v.to(call.dtype),
+            log_space=call.log_space,
+            causal=False,
+            key_padding_mask=mask,
+        )
+        outs = (num, den) if call.normalizer is None else (call.normalizer.normalize(num, den),)
+    inputs = [q, k, v, *params]
+    wanted = [t for t, w in zip(inputs, ctx.needs_input_grad[1:]) if w]
+    got = iter(torch.autograd.grad(outs, wanted, out_bar, create_graph=True, allow_unused=True))
+    bars = []
+    for j, (t, w) in enumerate(zip(inputs, ctx.needs_input_grad[1:])):
+        g = next(got) if w else None
+        bars.append(torch.zeros_like(t) if w and g is None and j < 3 else g)
+    return (None, *bars)
 
 
 def _safe(c: torch.Tensor) -> torch.Tensor:
