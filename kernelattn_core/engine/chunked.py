@@ -339,12 +339,8 @@ def causal_linear_attention_forward(
     """:func:`causal_linear_attention` without autograd (no graph is recorded, even when
     an input requires a gradient): for callers that write their own backward with
     :func:`causal_linear_attention_backward`."""
-    n = q.shape[-2]
-    chunk = max(1, min(chunk, n))
-    q, k, v, m, extra = _padded(q, k, v, m, chunk)
     with torch.no_grad():
-        out, s_final, _ = _core_forward(q, k, v, s0, m, m0, chunk)
-    return (out[..., :n, :] if extra else out), s_final
+        return causal_linear_attention(q, k, v, s0, m, m0, chunk)
 
 
 def causal_linear_attention_backward(

@@ -67,6 +67,7 @@ import torch
 from ..errors import InputError
 from .chunked import DEFAULT_CHUNK, causal_linear_attention_backward, causal_linear_attention_forward
 from .torch_backend import (
+    CausalInputs,
     CausalState,
     compute_dtype,
     feature_attention_torch,
@@ -129,6 +130,20 @@ class _Call:
 
     def mask(self, g0: int, g1: int) -> torch.Tensor | None:
         return None if self.key_padding_mask is None else self.key_padding_mask[:, g0:g1]
+
+    def prepare(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g0: int, g1: int, state: CausalState | None
+    ) -> CausalInputs:
+        """The causal core's inputs for the positions ``[g0, g1)`` (``q``, ``k``, ``v`` are
+        that group's rows), continuing ``state``: the forward pass and its replay alike."""
+        return prepare_causal(
+            self.features(q, True),
+            self.key_features(k, g0, g1),
+            v.to(self.dtype),
+            self.log_space,
+            self.mask(g0, g1),
+            state,
+        )
 
     def num_den_bars(
         self,
@@ -269,14 +284,7 @@ class _GroupedCausal(torch.autograd.Function):
         state = None
         for g0, g1 in call.spans(n):
             states.append(state)
-            prep = prepare_causal(
-                call.features(q[:, :, g0:g1], True),
-                call.key_features(k[:, :, g0:g1], g0, g1),
-                v[:, :, g0:g1].to(call.dtype),
-                call.log_space,
-                call.mask(g0, g1),
-                state,
-            )
+            prep = call.prepare(q[:, :, g0:g1], k[:, :, g0:g1], v[:, :, g0:g1], g0, g1, state)
             out, s_final = causal_linear_attention_forward(
                 prep.fq, prep.fk, prep.v1, prep.s0, prep.m, prep.m0, call.chunk
             )
@@ -303,14 +311,7 @@ class _GroupedCausal(torch.autograd.Function):
         for i, (g0, g1) in reversed(list(enumerate(call.spans(q.shape[2])))):
             leaves = [_leaf(t, g0, g1, w) for t, w in zip((q, k, v), ctx.needs_input_grad[1:4])]
             with torch.enable_grad(), call.replay(q.device):
-                prep = prepare_causal(
-                    call.features(leaves[0], True),
-                    call.key_features(leaves[1], g0, g1),
-                    leaves[2].to(call.dtype),
-                    call.log_space,
-                    call.mask(g0, g1),
-                    ctx.states[i],
-                )
+                prep = call.prepare(*leaves, g0, g1, ctx.states[i])
             num_bar, den_bar, norm_parts = call.num_den_bars(out_bar, num, den, g0, g1, norm_params)
             bars.add(call.n_map, norm_parts)
             o_bar = torch.cat([num_bar, den_bar.unsqueeze(-1)], dim=-1)  # [B, H, G, dv + 1]
@@ -410,16 +411,14 @@ def _differentiable_backward(ctx: Any, out_bar: tuple[torch.Tensor, ...]) -> tup
     grouped backward; its memory is the one-shot path's (``[B, H, N, D]`` features)."""
     call: _Call = ctx.call
     q, k, v, _s, _z, _num, _den, *params = ctx.saved_tensors
-    mask = call.key_padding_mask
     with call.replay(q.device):
-        kept = k if mask is None else k.masked_fill(mask[:, None, :, None], 0.0)  # as key_features
         num, den = feature_attention_torch(
             call.features(q, True),
-            call.features(kept, False),
+            call.key_features(k, 0, k.shape[2]),
             v.to(call.dtype),
             log_space=call.log_space,
             causal=False,
-            key_padding_mask=mask,
+            key_padding_mask=call.key_padding_mask,
         )
         outs = (num, den) if call.normalizer is None else (call.normalizer.normalize(num, den),)
     inputs = [q, k, v, *params]

@@ -245,7 +245,8 @@ def prepare_causal(
     else:
         vk = phi_k if drop is None else phi_k.masked_fill(drop.unsqueeze(-1), 0.0)
         bad = ~torch.isfinite(phi_q.detach().sum() + vk.detach().sum() + vv.detach().sum())
-    if bool(bad):
+    bad = bool(bad)
+    if bad:
         vk = phi_k if drop is None else phi_k.masked_fill(drop.unsqueeze(-1), 0.0)
         bad_k = _bad_rows(vk.detach(), log_space) | _bad_rows(vv.detach(), False)  # [B, H, N]
         bad_q = _bad_rows(phi_q.detach(), log_space)
@@ -257,8 +258,10 @@ def prepare_causal(
     if state is not None and state.poisoned is not None:  # an earlier call consumed one
         earlier = state.poisoned[..., None].expand(b, h, n)
         poison = earlier if poison is None else poison | earlier
-    if drop is not None:
-        v = v.masked_fill(drop.unsqueeze(-1), 0.0)
+    if bad:  # the dropped keys grew: mask the values again
+        v = v.masked_fill(drop.unsqueeze(-1), 0.0)  # type: ignore[union-attr]
+    else:
+        v = vv
     fq = query_side(phi_q, log_space, top_q)  # [B, H, N, D]
     m = m0 = m_out = None
     if log_space:
