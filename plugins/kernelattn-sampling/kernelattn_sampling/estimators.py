@@ -595,6 +595,10 @@ class LinearRandomizedAttention(AttentionEstimator):
         # a non-finite query leaves every statistic shared by the rows (landmarks, r'):
         # it can only make its own row non-finite
         q_keep = torch.isfinite(q).all(-1)  # [B, H, N]
+        if key_padding_mask is not None and q.shape[-2] == k.shape[-2]:
+            # self-attention: the query at a padded position is padding too, so whatever it
+            # holds shapes no statistic shared by the rows (landmarks, proposals, r')
+            q_keep = q_keep & ~key_padding_mask[:, None, :]
         q_keep = None if bool(q_keep.all()) else q_keep
         q_land, k_land, ok = self.landmarks_of(q, k, key_padding_mask, q_keep)
         props = make_proposals(self.proposal, q_land, k_land, k, key_padding_mask, ok)
