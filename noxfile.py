@@ -10,6 +10,8 @@ under ``plugins/`` as distributions, so tests go through real entry points.
 * ``formal`` — ``kernelattn verify --level full`` and the conformance kit at full level
 * ``bench``  — pytest-benchmark (not default)
 * ``demo``   — installs everything and runs ``kernelattn compare`` (not default)
+* ``tasks``  — the task benchmarks of docs/tasks.rst: ``kernelattn tasks --preset seeds`` and
+  ``--preset zoology``, their tables and figures (not default; about an hour on two cores)
 """
 
 from __future__ import annotations
@@ -92,6 +94,24 @@ def bench(session: nox.Session) -> None:
     session.run(*compare, "--plot", str(out / "compare.png"), "--output", str(out / "compare.csv"))
     lengths = ("--seq-len", "256", "1024", "4096", "--budgets", "64", "--seeds", "0")
     session.run(*compare, *lengths, "--plot", str(out / "time-vs-length.png"), "--output", str(out / "tl.csv"))
+
+
+@nox.session(default=False)
+def tasks(session: nox.Session) -> None:
+    """The task benchmarks (docs/tasks.rst): what a small model learns with each estimator.
+
+    ``-- --preset seeds`` (or ``zoology``) runs one preset only; results, tables and
+    figures go to ``docs/_static/tasks/``."""
+    install_all(session, f"{ROOT}[plot,cli]")
+    out = ROOT / "docs" / "_static" / "tasks"
+    presets = [a.split("=", 1)[1] for a in session.posargs if a.startswith("--preset=")] or ["seeds", "zoology"]
+    for preset in presets:
+        session.run(
+            "kernelattn", "tasks", "--preset", preset, "--no-progress",
+            "--output", str(out / f"{preset}.json"), "--plot", str(out / f"{preset}.png"),
+            env={"OMP_NUM_THREADS": "2"},
+        )
+    session.run("python", str(ROOT / "docs" / "tasks_tables.py"), str(out))
 
 
 @nox.session(default=False)
