@@ -126,7 +126,9 @@ def test_cli_json_csv_and_plot(tmp_path, capsys) -> None:  # type: ignore[no-unt
     svg = plot.read_text()
     assert "mqar" in svg and "accuracy against time" in svg and "exact (ceiling)" in svg
     streamed = capsys.readouterr().out.splitlines()  # the table streamed row by row
-    assert streamed[0].split()[:3] == ["task", "estimator", "budget"] and len(streamed) == 2 + 4
+    assert streamed[0].split()[:3] == ["task", "estimator", "budget"]
+    assert [line.split()[1] for line in streamed if line.startswith("mqar")] == ["exact", NO_MIXING, "elu", "prf"]
+    assert streamed[-1].startswith("plot written to")
     assert main([*argv[:-4], "--format", "csv"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("task,estimator,budget,accuracy") and len(lines) == 5
@@ -168,3 +170,22 @@ def test_preset_estimators_are_registered() -> None:
             if name != "exact":
                 reg.get(name)
         assert set(preset.tasks) <= set(TASKS)
+
+
+def test_estimator_specs_carry_options() -> None:
+    from kernelattn_core.errors import InputError
+    from kernelattn_core.tasks.run import parse_spec
+
+    assert parse_spec("prf") == ("prf", {})
+    assert parse_spec("hedgehog:init=prf,tied=True") == ("hedgehog", {"init": "prf", "tied": True})
+    assert parse_spec("sliding-window: window=8 , feature_map=prf") == (
+        "sliding-window",
+        {"window": 8, "feature_map": "prf"},
+    )
+    for bad in ("", "prf:init", "prf:=3", "prf:a b=1"):
+        with pytest.raises(InputError, match="estimator: expected"):
+            parse_spec(bad)
+    records = run_tasks(["mqar"], ["hedgehog:init=prf", "hedgehog"], [8], steps=2, progress=False, recipe=SMALL)
+    by = {r["estimator"]: r for r in records}
+    assert by["hedgehog:init=prf"]["options"] == {"num_features": 8, "init": "prf"}
+    assert by["hedgehog"]["options"] == {"num_features": 8}

@@ -42,7 +42,12 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--task", action="append", choices=TASK_NAMES, metavar="NAME", help="a task (repeatable)")
-    p.add_argument("--estimator", action="append", metavar="NAME", help="a registry name or alias (repeatable)")
+    p.add_argument(
+        "--estimator",
+        action="append",
+        metavar="NAME",
+        help="a registry name or alias, or NAME:key=value,... with options (repeatable; e.g. hedgehog:init=prf)",
+    )
     p.add_argument("--budget", action="append", type=int, metavar="D", help="budget per query (repeatable; 64)")
     p.add_argument("--seeds", nargs="+", type=int, metavar="S", help="seeds (default: 0)")
     p.add_argument("--steps", type=int, metavar="N", help="training steps (default: the task's recipe)")

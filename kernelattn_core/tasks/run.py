@@ -141,6 +141,33 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"NAME"`` or ``"NAME:key=value,key=value"`` as the registry name and its options.
+
+    Values are Python literals where they parse as one (``init=prf`` is the string
+    ``"prf"``, ``window=8`` the int 8, ``tied=True`` the bool), so one estimator can run in
+    several configurations in one table (``hedgehog`` and ``hedgehog:init=prf``).
+    """
+    import ast
+
+    if not isinstance(spec, str) or not spec.strip():
+        raise InputError(f"estimator: expected NAME or NAME:key=value,..., got {spec!r}")
+    if spec == NO_MIXING:  # the floor's name has a colon of its own
+        return spec, {}
+    name, _, rest = spec.partition(":")
+    options: dict[str, Any] = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip() or not key.strip().isidentifier():
+            raise InputError(f"estimator: expected key=value options after {name}:, got {item!r} in {spec!r}")
+        try:
+            value: Any = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            value = raw.strip()
+        options[key.strip()] = value
+    return name.strip(), options
+
+
 def default_estimators(*, quadratic: bool = False) -> list[str]:
     """``exact``, then every registered estimator and feature map whose cost is linear in
     the sequence length (all of them with ``quadratic``); the generic ``feature-map``
@@ -156,7 +183,8 @@ def default_estimators(*, quadratic: bool = False) -> list[str]:
 
 
 def cannot_run(name: str, task: Task) -> str | None:
-    """Why ``name`` cannot attend the way ``task`` needs (``None`` when it can)."""
+    """Why ``name`` (a registry name or spec) cannot attend the way ``task`` needs (``None`` when it can)."""
+    name = parse_spec(name)[0]
     if name in (EXACT, NO_MIXING):
         return None
     cls = get_registry().get(name).cls
@@ -168,7 +196,8 @@ def cannot_run(name: str, task: Task) -> str | None:
 
 
 def has_budget(name: str) -> bool:
-    """Whether ``name`` takes a budget (``num_features``)."""
+    """Whether ``name`` (a registry name or spec) takes a budget (``num_features``)."""
+    name = parse_spec(name)[0]
     if name in (EXACT, NO_MIXING):
         return False
     return bool(getattr(get_registry().get(name).cls, "has_budget", False))
@@ -182,6 +211,7 @@ def budget_options(name: str, budget: int | None, causal: bool) -> dict[str, Any
     side, ``2w + 1`` keys) and the rest as features of its map (rounded down to even,
     as the two-sided hedgehog map needs): the same total per query as a pure feature map.
     """
+    name = parse_spec(name)[0]
     if budget is None or not has_budget(name):
         return {}
     if get_registry().get(name).name == "sliding-window":
@@ -218,7 +248,8 @@ def run_tasks(
     tasks : sequence of str, optional
         Task names (:data:`~kernelattn_core.tasks.TASKS`); ``["mqar"]`` when ``None``.
     estimators : sequence of str, optional
-        Registry names; :func:`default_estimators` when ``None``. ``exact`` and the floor
+        Registry names, or ``NAME:key=value,...`` specs (:func:`parse_spec`) to run an
+        estimator with options; :func:`default_estimators` when ``None``. ``exact`` and the floor
         are always added (the references of every table).
     budgets : sequence of int
         Budgets per query (:func:`budget_options`); estimators without one get one row.
@@ -258,8 +289,9 @@ def run_tasks(
     names = list(estimators) if estimators else default_estimators(quadratic=quadratic)
     reg = get_registry()
     for name in names:
-        if name not in (EXACT, NO_MIXING):
-            reg.get(name)  # unknown names fail here, listing the available ones
+        base = parse_spec(name)[0]
+        if base not in (EXACT, NO_MIXING):
+            reg.get(base)  # unknown names fail here, listing the available ones
     names = [EXACT, NO_MIXING] + [n for n in dict.fromkeys(names) if n not in (EXACT, NO_MIXING)]
 
     plan: list[tuple[Task, str, int | None, TrainConfig]] = []
@@ -294,7 +326,8 @@ def refs_of(refs: dict[tuple[str, str], dict[str, Any]], task: Task) -> list[dic
 def _run_row(
     task: Task, name: str, budget: int | None, config: TrainConfig, seeds: Sequence[int], scale: str, bar: Any
 ) -> dict[str, Any]:
-    options = budget_options(name, budget, task.causal)
+    base, spec_options = parse_spec(name)
+    options = {**budget_options(base, budget, task.causal), **spec_options}
     record: dict[str, Any] = {
         "task": task.name,
         "estimator": name,
@@ -315,7 +348,7 @@ def _run_row(
     results = []
     for seed in seeds:
         note = f"{task.name} {name}{'' if budget is None else f' {budget}'} seed {seed}"
-        estimator = "softmax" if name == EXACT else name
+        estimator = "softmax" if base == EXACT else base
         try:
             results.append(
                 train(
@@ -395,6 +428,7 @@ __all__ = [
     "budget_options",
     "cannot_run",
     "default_estimators",
+    "parse_spec",
     "run_tasks",
     "seeds_table",
 ]
