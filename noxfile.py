@@ -107,8 +107,15 @@ def tasks(session: nox.Session) -> None:
     presets = [a.split("=", 1)[1] for a in session.posargs if a.startswith("--preset=")] or ["seeds", "zoology"]
     for preset in presets:
         session.run(
-            "kernelattn", "tasks", "--preset", preset, "--no-progress",
-            "--output", str(out / f"{preset}.json"), "--plot", str(out / f"{preset}.png"),
+            "kernelattn",
+            "tasks",
+            "--preset",
+            preset,
+            "--no-progress",
+            "--output",
+            str(out / f"{preset}.json"),
+            "--plot",
+            str(out / f"{preset}.png"),
             env={"OMP_NUM_THREADS": "2"},
         )
     session.run("python", str(ROOT / "docs" / "tasks_tables.py"), str(out))

@@ -46,8 +46,20 @@ def seeds_table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
     return header, out
 
 
-ROW_COLUMNS = ("task", "estimator", "budget", "accuracy", "accuracy_std", "learned", "steps_to_90",
-               "time_per_step_ms", "time_vs_exact", "peak_mem_mb", "train_s", "error")
+ROW_COLUMNS = (
+    "task",
+    "estimator",
+    "budget",
+    "accuracy",
+    "accuracy_std",
+    "learned",
+    "steps_to_90",
+    "time_per_step_ms",
+    "time_vs_exact",
+    "peak_mem_mb",
+    "train_s",
+    "error",
+)
 
 
 def rows_table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
