@@ -123,8 +123,9 @@ def tasks(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def demo(session: nox.Session) -> None:
-    """Install the core (with plots and rich progress) and all plugins, then the compare demo:
-    first rows within a minute, a summary and ``compare.png`` within three (``-- --all``: full sweep)."""
-    install_all(session, f"{ROOT}[plot,cli]")
+    """Install the core (with plots, rich progress and the shipped MiniLM) and all plugins, then the
+    compare demo on real attention: first rows within a minute, a summary and ``compare.png`` within
+    three (``-- --all``: the full synthetic sweep)."""
+    install_all(session, f"{ROOT}[plot,cli,hf]")
     session.run("kernelattn", "plugins")
     session.run("kernelattn", "compare", "--plot", "compare.png", "--output", "compare.csv", *session.posargs)

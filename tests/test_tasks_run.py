@@ -189,3 +189,11 @@ def test_estimator_specs_carry_options() -> None:
     by = {r["estimator"]: r for r in records}
     assert by["hedgehog:init=prf"]["options"] == {"num_features": 8, "init": "prf"}
     assert by["hedgehog"]["options"] == {"num_features": 8}
+
+
+def test_quadratic_estimators_run_at_their_own_setting_not_the_budget() -> None:
+    pytest.importorskip("kernelattn_sampling")
+    from kernelattn_core.tasks.run import has_budget
+
+    assert not has_budget("ra") and not has_budget("ra-biased") and has_budget("lara") and has_budget("prf")
+    assert budget_options("ra", 64, True) == {}

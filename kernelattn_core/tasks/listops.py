@@ -41,7 +41,7 @@ CONFIGS = {
         seq_len=256,
         vocab_size=len(VOCAB),
         num_classes=10,
-        params={"max_depth": 4, "max_args": 5, "min_length": 16, "max_length": 256},
+        params={"max_depth": 4, "max_args": 8, "min_length": 32, "max_length": 160},
     ),
     # LRA's setting: depth 10, 10 arguments, 500 to 2000 tokens
     "paper": TaskConfig(

@@ -17,8 +17,11 @@ the LRA set-ups of the LARA and SchoenbAt papers).
 Based and Zoology's baselines), so that one attention layer can form an induction head
 (match a key's successor) and a two-layer model learns the recall tasks within the CPU
 budget. The shift is causal and local: it cannot carry information further than one
-position, so long-range mixing is the attention's alone; the ``no-mixing`` floor keeps the
-shift and removes attention.
+position, so long-range mixing is the attention's alone.
+
+**The floor.** ``baseline:no-mixing`` is the same model with no token mixing at all (no
+attention and no shift): every position is computed from its own token and position, so
+a classifier sees a bag of tokens.
 """
 
 from __future__ import annotations
@@ -49,18 +52,18 @@ class TokenShift(nn.Module):
 
 
 class Block(nn.Module):
-    """Token shift, attention (or none), MLP; pre-norm residual."""
+    """Token shift and attention (neither in the floor), then the MLP; pre-norm residual."""
 
     def __init__(self, d_model: int, num_heads: int, attention: nn.Module | None) -> None:
         super().__init__()
-        self.shift = TokenShift(d_model)
+        self.shift = TokenShift(d_model) if attention is not None else None  # the floor mixes nothing
         self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.attn = attention
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
 
     def forward(self, h: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
-        h = self.shift(h)
-        if self.attn is not None:
+        if self.shift is not None and self.attn is not None:
+            h = self.shift(h)
             h = h + self.attn(self.norm1(h), key_padding_mask=padding)[0]
         return h + self.mlp(self.norm2(h))
 
@@ -78,7 +81,7 @@ class TaskModel(nn.Module):
         bidirectional attention and mean pooling.
     estimator : str
         Registry name for :class:`~kernelattn_core.module.KernelAttention`, or
-        :data:`NO_MIXING` for the floor without attention.
+        :data:`NO_MIXING` for the floor without token mixing (no attention, no shift).
     num_classes : int, optional
         Classes of a ``"classify"`` task.
     d_model, num_heads, num_layers : int
