@@ -89,10 +89,10 @@ class TaskModel(nn.Module):
     **estimator_options
         Passed to the estimator (``num_features``, ``seed``, ...).
 
-    Shapes
-    ------
-    ``inputs [B, N]`` (int64) and ``padding [B, N]`` (bool, ``True`` = pad) give logits
-    ``[B, N, vocab_size]`` (``"lm"``) or ``[B, num_classes]`` (``"classify"``).
+    Notes
+    -----
+    Shapes: ``inputs [B, N]`` (int64) and ``padding [B, N]`` (bool, ``True`` = pad) give
+    logits ``[B, N, vocab_size]`` (``"lm"``) or ``[B, num_classes]`` (``"classify"``).
     """
 
     def __init__(

@@ -33,7 +33,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..registry import get_registry
-from . import TASKS, get_task
+from . import get_task
 from .base import Task
 from .model import NO_MIXING
 from .train import TrainConfig, steps_to_fraction, train
@@ -433,7 +433,6 @@ __all__ = [
     "CSV_COLUMNS",
     "PRESETS",
     "RECIPES",
-    "TASKS",
     "budget_options",
     "cannot_run",
     "default_estimators",

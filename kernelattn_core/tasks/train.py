@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import EVAL_SEED_OFFSET, IGNORE, Task, TaskBatch
-from .model import NO_MIXING, TaskModel
+from .model import TaskModel
 
 
 @dataclass(frozen=True)
@@ -236,4 +236,4 @@ def steps_to_fraction(curve: list[tuple[int, float]], target: float) -> int | No
     return None
 
 
-__all__ = ["NO_MIXING", "TrainConfig", "accuracy", "lr_factor", "steps_to_fraction", "train"]
+__all__ = ["TrainConfig", "accuracy", "lr_factor", "steps_to_fraction", "train"]
