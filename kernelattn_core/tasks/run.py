@@ -425,7 +425,7 @@ def seeds_table(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def seeds_columns(records: Sequence[dict[str, Any]]) -> list[str]:
     tasks = list(dict.fromkeys(r["task"] for r in records))
-    return ["estimator", *(f"{t} acc" for t in tasks), "avg acc", *(f"{t} time" for t in tasks), "avg time"]
+    return ["estimator", "budget", *(f"{t} acc" for t in tasks), "avg acc", *(f"{t} time" for t in tasks), "avg time"]
 
 
 __all__ = [
