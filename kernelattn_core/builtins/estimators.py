@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.backends import Problem, attend_normalized, select_backend
-from ..engine.naive import allowed_pairs, poison_rows, quarantine_non_finite
+from ..engine.naive import allowed_pairs, isolated_pre, isolated_rows, poison_rows, quarantine_non_finite
 from ..engine.torch_backend import CausalState, compute_dtype, feature_attention_step
 from ..errors import InputError
 from ..interfaces.estimator import AttentionEstimator
@@ -55,7 +55,9 @@ def resolve_kernel(kernel: Kernel | str, options: dict[str, Any]) -> Kernel:
 
 
 def _all_finite(*tensors: torch.Tensor) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    """Whether every entry is finite: one sum per tensor (finite unless an entry is not,
+    or the sum overflows, in which case the entries are checked)."""
+    return all(bool(torch.isfinite(t.detach().sum())) or bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def _weighted_values(w: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
@@ -136,9 +138,10 @@ class ExactAttention(AttentionEstimator):
             k = k.masked_fill(pad, 0.0)
             v32 = v32.masked_fill(pad, 0.0)
         # SDPA forms q k^T + mask and weights @ v: a non-finite later key or value would
-        # reach earlier causal rows (NaN + -inf, 0 * NaN), and a non-finite query row the
-        # keys' gradients of every row; such calls take the reference path
-        if self.backend == "sdpa" and _all_finite(q) and not (causal and not _all_finite(k, v32)):
+        # reach earlier causal rows (NaN + -inf, 0 * NaN), a non-finite query row the keys'
+        # gradients of every row, and a non-finite key its own gradient (NaN, not 0); such
+        # calls take the reference path, which quarantines them
+        if self.backend == "sdpa" and _all_finite(q, k, v32):
             self.last_backend = "sdpa"
             return self._sdpa(q, k, v32, causal, key_padding_mask).to(v.dtype)
         self.last_backend = "naive"
@@ -307,15 +310,25 @@ class FeatureMapAttention(AttentionEstimator):
         num, den, state = feature_attention_step(
             phi_q, phi_k, v, log_space=fm.log_space, key_padding_mask=mask, state=state, chunk_size=self.chunk_size
         )
-        return self.normalizer.post(self.normalizer.normalize(num, den)).to(v.dtype), state
+        return self._post(self.normalizer.normalize(num, den)).to(v.dtype), state
 
     def _pre(
         self, q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``normalizer.pre`` with the causal flag when the normaliser declares it."""
-        if "causal" in inspect.signature(self.normalizer.pre).parameters:
-            return self.normalizer.pre(q, k, key_padding_mask=key_padding_mask, causal=causal)
-        return self.normalizer.pre(q, k, key_padding_mask=key_padding_mask)
+        """``normalizer.pre`` with the causal flag when the normaliser declares it; padded
+        keys and non-finite rows never reach it (:func:`~kernelattn_core.engine.naive.isolated_pre`:
+        their gradients are 0, not the transform's :math:`0 \\cdot \\mathrm{NaN}`)."""
+        if type(self.normalizer).pre is Normalizer.pre:
+            return q, k
+        options = {"causal": causal} if "causal" in inspect.signature(self.normalizer.pre).parameters else {}
+        return isolated_pre(self.normalizer.pre, q, k, key_padding_mask, **options)
+
+    def _post(self, out: torch.Tensor) -> torch.Tensor:
+        """``normalizer.post`` (row-wise) that no non-finite row reaches: a NaN row stays
+        NaN, and adds nothing (not NaN) to the gradients of the transform's parameters."""
+        if type(self.normalizer).post is Normalizer.post:
+            return out
+        return isolated_rows(self.normalizer.post, out)
 
     def _attend_scaled(self, q, k, v, root, causal, key_padding_mask):  # type: ignore[no-untyped-def]
         """The factor ``root`` goes to the engine, which applies it group by group, when
@@ -360,4 +373,4 @@ class FeatureMapAttention(AttentionEstimator):
             chunk_size=self.chunk_size,
             scale=root,
         )
-        return self.normalizer.post(out).to(v.dtype)
+        return self._post(out).to(v.dtype)

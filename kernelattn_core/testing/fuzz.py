@@ -10,6 +10,13 @@ patterns:
 ``padding_non_finite``
     Whatever a padded key or value holds (NaN, ``inf``, huge values), every row equals
     the output with other padded contents, with and without ``causal``.
+``gradient_isolation``
+    A NaN, ``inf`` or ``-inf`` at a future position (``causal=True``), at a padded key,
+    or in a query row (its own row only), or later positions a hundred times larger:
+    the rows that do not see it are finite, and so are the gradients of their loss for
+    every other position and every trainable parameter (learned maps, normalisers); the
+    offending position's own gradient is exactly 0, and with ``causal=True`` no later
+    key or value gets any gradient from earlier rows.
 ``normalizer_causal``
     Every feature map with every registered normaliser (each ``stats`` choice
     included) either keeps causal prefix invariance or refuses ``causal=True`` with an
@@ -269,6 +276,97 @@ def _padding(entry: Entry) -> Callable[[], None]:
         if not _close(out, base, 1e-7):
             gap = float((out - base).abs().max())
             raise _fail(entry.name, prop, f"padded {where} = {bad} (causal={causal}) changed the output by {gap:.3g}")
+
+    return check
+
+
+def _gradient_isolation(entry: Entry) -> Callable[[], None]:
+    hyp = _hypothesis()
+    st = hyp.strategies
+    prop = "gradient_isolation"
+
+    @hyp.settings(deadline=None)
+    @hyp.given(
+        seed=st.integers(0, 2**16),
+        n=st.integers(3, 40),
+        d=st.integers(1, 6),
+        mode=st.sampled_from(("future", "padded", "query_row")),
+        where=st.sampled_from(("q", "k", "v")),
+        bad=st.sampled_from((*NON_FINITE, "huge")),
+        causal=st.booleans(),
+        data=st.data(),
+    )
+    def check(seed: int, n: int, d: int, mode: str, where: str, bad: Any, causal: bool, data: Any) -> None:
+        t = data.draw(st.integers(1, n - 1), label="t")
+        est = make(entry).double().train()
+        if mode == "future":  # the value is at position t, the loss reads rows < t only
+            causal = True
+            if not _supports_causal(est):
+                return
+        else:
+            causal = (causal and _supports_causal(est)) or _causal_only(est)
+        if mode == "padded":
+            where = "k" if where == "q" else where  # a query is never padded
+        if mode == "query_row":
+            where = "q"  # a query row is seen by its own row only
+        q, k, v = _tensors(seed, 1, 2, n, n, d, 3, 0.5, torch.float64)
+        q[:, :, t:] = 0.0  # later rows' own pairs inside every kernel's domain (see causal_prefix)
+        x = {"q": q, "k": k, "v": v}[where]
+        if bad == "huge":  # finite, a hundred times larger than the others (features may overflow)
+            x[:, :, t:] = 100.0 * (x[:, :, t:] + (0.5 if where == "q" else 0.0))
+            what = f"{where}[{t}:] x 100"
+        else:
+            x[:, :, t] = bad
+            what = f"{where}[{t}] = {bad}"
+        mask = None
+        rows = torch.ones(n, dtype=torch.bool)
+        if mode == "padded":
+            mask = torch.zeros(1, n, dtype=torch.bool)
+            mask[0, t] = True
+            what = f"padded {what}"
+        elif mode == "future":
+            rows[t:] = False
+        else:
+            rows[t] = False
+        mode_args = {"causal": causal, "key_padding_mask": mask}
+        leaves = [a.requires_grad_() for a in (q, k, v)]
+        params = [p for p in est.parameters() if p.requires_grad]
+        try:
+            est(*leaves, **mode_args)  # a first call builds lazily made parameters
+            params = [p for p in est.parameters() if p.requires_grad]
+            out = est(*leaves, **mode_args)
+        except DomainError:
+            return  # a documented bound (a value outside a kernel's domain)
+        except InputError as exc:
+            if "head_dim" in str(exc):  # a head dimension the class refuses by design
+                hyp.reject()
+            raise _fail(entry.name, prop, f"{what} ({mode}, causal={causal}) raised InputError: {exc}") from exc
+        except Exception as exc:
+            raise _fail(
+                entry.name, prop, f"{what} ({mode}, causal={causal}) raised {type(exc).__name__}: {exc}"
+            ) from exc
+        if not _finite(out[:, :, rows]):
+            raise _fail(entry.name, prop, f"{what} ({mode}, causal={causal}): rows that do not see it are non-finite")
+        grads = torch.autograd.grad(out[:, :, rows].sum(), [*leaves, *params], allow_unused=True)
+        own = torch.zeros(n, dtype=torch.bool)
+        own[t if bad != "huge" else slice(t, None)] = True
+        for arg, g in zip("qkv", grads[:3]):
+            if g is None:
+                continue
+            if not _finite(g[:, :, ~own]):
+                raise _fail(entry.name, prop, f"{what} ({mode}, causal={causal}): non-finite {arg}.grad elsewhere")
+            own_ok = _finite(g[:, :, own]) if bad == "huge" else bool((g[:, :, own] == 0).all())
+            if arg == where and not own_ok:
+                raise _fail(
+                    entry.name, prop, f"{what} ({mode}, causal={causal}): {arg}.grad at its own position is not 0"
+                )
+            if mode == "future" and arg in "kv" and bool((g[:, :, t:] != 0).any()):
+                raise _fail(entry.name, prop, f"{what} (future): rows < {t} have a {arg}.grad at positions >= {t}")
+        for (name, _), g in zip(
+            [(n_, p_) for n_, p_ in est.named_parameters() if p_.requires_grad], grads[3:], strict=False
+        ):
+            if g is not None and not _finite(g):
+                raise _fail(entry.name, prop, f"{what} ({mode}, causal={causal}): non-finite gradient of {name}")
 
     return check
 
@@ -657,6 +755,7 @@ PROPERTIES: dict[str, Callable[[Entry], Callable[[], None]]] = {
     "causal_prefix_finite": lambda e: _causal_prefix(e, non_finite=False),
     "causal_prefix_non_finite": lambda e: _causal_prefix(e, non_finite=True),
     "padding_non_finite": _padding,
+    "gradient_isolation": _gradient_isolation,
     "running_stats": _running_stats,
     "normalizer_causal": _normalizer_causal,
     "finite_at_norm": _finite_at_norm,
