@@ -251,6 +251,9 @@ class CausalInputs:
     m_out : Tensor ``[B, H, 1]`` or None
         The raw prefix maximum after the last position (``-inf`` while no key was seen),
         for the outgoing state.
+    m_raw : Tensor ``[B, H, N]`` or None
+        The raw prefix maximum at every position (``-inf`` before the first key), of which
+        ``m`` fills the leading ``-inf`` (sequence parallelism restates rows with it).
     poison : Tensor ``[B, H, N]`` of bool or None
         Rows that see a non-finite value (set to NaN at the end).
     carried : Tensor ``[B, H]`` of bool or None
@@ -266,6 +269,7 @@ class CausalInputs:
     m_out: torch.Tensor | None
     poison: torch.Tensor | None
     carried: torch.Tensor | None
+    m_raw: torch.Tensor | None = None
 
 
 def prepare_causal(
@@ -316,7 +320,7 @@ def prepare_causal(
     else:
         v = vv
     fq = query_side(phi_q, log_space, top_q)  # [B, H, N, D]
-    m = m0 = m_out = None
+    m = m0 = m_out = m_raw = None
     if log_space:
         lk = phi_k if drop is None else phi_k.masked_fill(drop.unsqueeze(-1), float("-inf"))
         m_raw = lk.detach().amax(-1) if top_k is None else top_k  # [B, H, N]
@@ -341,7 +345,7 @@ def prepare_causal(
         s0 = fq.new_zeros(b, h, d_feat, dv + 1)
     else:
         s0 = torch.cat([state.kv.to(fq.dtype), state.z.to(fq.dtype).unsqueeze(-1)], dim=-1)
-    return CausalInputs(fq, fk, v1, s0, m, m0, m_out, poison, carried)
+    return CausalInputs(fq, fk, v1, s0, m, m0, m_out, poison, carried, m_raw if log_space else None)
 
 
 def finish_causal(
