@@ -11,6 +11,7 @@ from torch import nn
 
 from .api import create
 from .errors import InputError
+from .interfaces.state import StateOwner, check_state, check_state_tensor
 from .validation import check_positive_int, check_tensor
 
 
@@ -31,6 +32,10 @@ class KVCache:
     k: torch.Tensor
     v: torch.Tensor
     key_padding_mask: torch.Tensor | None
+    #: the module's estimator, options, batch, heads and head dimension
+    #: (:class:`~kernelattn_core.interfaces.state.StateOwner`); :meth:`KernelAttention.step`
+    #: refuses a cache of another owner
+    owner: StateOwner | None = None
 
     @property
     def length(self) -> int:
@@ -307,18 +312,26 @@ class KernelAttention(nn.Module):
         if hasattr(self.estimator, "step"):
             out, state = self.estimator.step(q, k, v, state, key_padding_mask=kpm)
             return self._merge(out), state
-        if state is not None and not isinstance(state, KVCache):
-            raise InputError(f"state: expected None or the KVCache of the previous step, got {type(state).__name__}")
+        owner = StateOwner(
+            type(self.estimator).__name__,
+            (("estimator", self.estimator_name), ("num_features", getattr(self.estimator, "num_features", None))),
+            q.shape[0],
+            self.num_heads,
+            (("d", self.head_dim),),
+        )
         if state is not None:
+            _check_cache(state, owner, q.device)
             masks = None
             if kpm is not None or state.key_padding_mask is not None:
                 old = state.key_padding_mask
                 old = torch.zeros(q.shape[0], state.length, dtype=torch.bool, device=q.device) if old is None else old
                 new = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device) if kpm is None else kpm
                 masks = torch.cat([old, new], 1)
-            state = KVCache(torch.cat([state.q, q], 2), torch.cat([state.k, k], 2), torch.cat([state.v, v], 2), masks)
+            state = KVCache(
+                torch.cat([state.q, q], 2), torch.cat([state.k, k], 2), torch.cat([state.v, v], 2), masks, owner
+            )
         else:
-            state = KVCache(q, k, v, kpm)
+            state = KVCache(q, k, v, kpm, owner)
         out = self.estimator(state.q, state.k, state.v, causal=True, key_padding_mask=state.key_padding_mask)
         return self._merge(out[:, :, -q.shape[2] :]), state
 
@@ -327,6 +340,21 @@ class KernelAttention(nn.Module):
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, causal={self.causal}, "
             f"batch_first={self.batch_first}"
         )
+
+
+def _check_cache(state: object, owner: StateOwner, device: torch.device) -> None:
+    """Refuse a key-value cache this module cannot continue, naming ``state``."""
+    check_state(state, KVCache, owner)
+    assert isinstance(state, KVCache)
+    b, h, d = owner.batch, owner.heads, dict(owner.widths)["d"]
+    length = state.k.shape[2] if isinstance(state.k, torch.Tensor) and state.k.dim() == 4 else -1
+    for name in ("q", "k", "v"):
+        check_state_tensor(name, getattr(state, name), (b, h, length, d), device, owner, "[B, H, L, d]")
+    if state.key_padding_mask is not None:
+        mask = state.key_padding_mask
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            raise InputError(f"state: expected key_padding_mask to be None or a bool tensor [B, L], got {mask!r}")
+        check_state_tensor("key_padding_mask", mask, (b, length), device, owner, "[B, L]")
 
 
 # ---------------------------------------------------------------------- masks

@@ -17,6 +17,7 @@ from ..interfaces.estimator import AttentionEstimator
 from ..interfaces.feature_map import FeatureMap
 from ..interfaces.kernel import Kernel
 from ..interfaces.normalizer import Normalizer
+from ..interfaces.state import StateOwner, check_state, check_state_tensor
 from ..lookup import resolve_class
 from ..redraw import RedrawPolicy
 from ..validation import check_positive_int
@@ -170,6 +171,10 @@ class ExactAttention(AttentionEstimator):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | ~some, scale=1.0)
         return torch.where(some, out, torch.zeros_like(out))
 
+    def state_family(self) -> str:
+        """``exact(<kernel>)``: exact attention of another kernel is another family."""
+        return f"exact({getattr(self.kernel, 'name', type(self.kernel).__name__)})"
+
     def extra_repr(self) -> str:
         return f"kernel={self.kernel!r}, scale={self.scale}"
 
@@ -300,17 +305,53 @@ class FeatureMapAttention(AttentionEstimator):
             or training mode alike (no redraw happens between steps).
         """
         q, k, mask = self._step_inputs(q, k, v, key_padding_mask)
-        q, k = self._pre(q, k, mask, True)
         fm = self.feature_map
         if not fm.built:
             self.redraw_policy.initial(fm, q.shape[-1])
+        owner = self.state_owner(q, v)
+        if state is not None:
+            self._check_state(state, owner, q.device)
+        q, k = self._pre(q, k, mask, True)
         fm.prepare(q, k, key_padding_mask=mask, causal=True)
         phi_q, phi_k = fm.raw_features(q, query=True), fm.raw_features(k, query=False)
         self.last_backend = "torch"
         num, den, state = feature_attention_step(
             phi_q, phi_k, v, log_space=fm.log_space, key_padding_mask=mask, state=state, chunk_size=self.chunk_size
         )
+        state.owner = owner
         return self._post(self.normalizer.normalize(num, den)).to(v.dtype), state
+
+    def state_owner(self, q: torch.Tensor, v: torch.Tensor) -> StateOwner:
+        """The :class:`~kernelattn_core.interfaces.state.StateOwner` of the decoding states
+        this estimator makes from ``q [B, H, T, d]`` and ``v [B, H, T, dv]`` (a built map)."""
+        fm = self.feature_map
+        norm = getattr(self.normalizer, "name", type(self.normalizer).__name__)
+        return StateOwner(
+            type(self).__name__,
+            (("feature_map", fm.name), ("num_features", fm.num_features), ("normalizer", norm)),
+            q.shape[0],
+            q.shape[1],
+            (("D", fm.feature_dim), ("dv", v.shape[-1]), ("d", q.shape[-1])),
+        )
+
+    def _check_state(self, state: object, owner: StateOwner, device: torch.device) -> None:
+        """Refuse a state this estimator cannot continue (another owner, or fields of the
+        wrong shape, type or device), naming ``state``."""
+        check_state(state, CausalState, owner)
+        assert isinstance(state, CausalState)
+        b, h = owner.batch, owner.heads
+        widths = dict(owner.widths)
+        d_feat, dv = widths["D"], widths["dv"]
+        check_state_tensor("kv", state.kv, (b, h, d_feat, dv), device, owner, "[B, H, D, dv]")
+        check_state_tensor("z", state.z, (b, h, d_feat), device, owner, "[B, H, D]")
+        if self.feature_map.log_space:
+            check_state_tensor("m", state.m, (b, h, 1), device, owner, "[B, H, 1] (log-space features)")
+        elif state.m is not None:
+            raise InputError(f"state: expected m = None (plain features, {owner.describe()}), got a tensor")
+        if state.poisoned is not None:
+            check_state_tensor("poisoned", state.poisoned, (b, h), device, owner, "[B, H]")
+        if isinstance(state.length, bool) or not isinstance(state.length, int) or state.length < 0:
+            raise InputError(f"state: expected length to be an int >= 0, got {state.length!r}")
 
     def _pre(
         self, q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool

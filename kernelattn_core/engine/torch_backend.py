@@ -69,6 +69,7 @@ float16) and the caller casts the output back.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -122,6 +123,8 @@ class CausalState:
 
     poisoned : Tensor ``[B, H]`` of bool, optional
         Set once a non-finite key or value was consumed: every later row is NaN.
+    owner : StateOwner, optional
+        The estimator, options, batch, heads and widths that made it (set by ``step``).
 
     ``kv`` and ``z`` are differentiable: gradients flow through a state passed to the
     next call back into the keys and values that made it.
@@ -134,6 +137,10 @@ class CausalState:
     #: ``[B, H]``: a non-finite key or value the rows may see was consumed (every later
     #: row is NaN, as in exact attention); ``None`` when none was
     poisoned: torch.Tensor | None = None
+    #: who made the state (:class:`~kernelattn_core.interfaces.state.StateOwner`), set by
+    #: an estimator's ``step``, which refuses a state of another owner; ``None`` for a
+    #: state made by the engine's functions directly
+    owner: Any = None
 
 
 def feature_attention_torch(

@@ -16,6 +16,7 @@ from ..errors import InputError
 from ..lookup import resolve_class
 from ..validation import check_budget, check_positive_int, check_tensor
 from .kernel import Kernel
+from .state import add_family_marker
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -148,6 +149,8 @@ class FeatureMap(nn.Module, ABC):
         self.head_dim: int | None = None
         # -1 until built; persistent so that a state dict remembers the head dimension
         self.register_buffer("_built_head_dim", torch.tensor(-1, dtype=torch.long))
+        # the state dict names the map, and another map's checkpoint is refused (before the build below)
+        add_family_marker(self, lambda: type(self).name)
         self.register_load_state_dict_pre_hook(_build_before_load)
         if head_dim is not None:
             self.build(head_dim, generator=generator)

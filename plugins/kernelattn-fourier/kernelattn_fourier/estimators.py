@@ -13,6 +13,7 @@ from kernelattn_core import FeatureMapAttention, Normalizer
 from kernelattn_core.engine.naive import isolated_pre, isolated_rows, non_finite_rows
 from kernelattn_core.errors import InputError
 from kernelattn_core.interfaces import AttentionEstimator
+from kernelattn_core.interfaces.state import StateOwner, check_state, check_state_tensor
 from kernelattn_core.lookup import resolve_class
 from kernelattn_core.redraw import RedrawPolicy
 from kernelattn_core.validation import check_key_padding_mask, check_positive_int, check_qkv
@@ -332,9 +333,32 @@ class RFAGateAttention(AttentionEstimator):
             steps.
         """
         q, k, mask = self._step_inputs(q, k, v, key_padding_mask)
-        if state is not None and not isinstance(state, GateState):
-            raise InputError(f"state: expected None or the GateState of the previous step, got {type(state).__name__}")
-        return self._run(q, k, v, mask, state, redraw=False)
+        if not self.feature_map.built:
+            self.redraw_policy.initial(self.feature_map, q.shape[-1])
+        owner = self.state_owner(q, v)
+        if state is not None:
+            check_state(state, GateState, owner)
+            assert isinstance(state, GateState)
+            d_feat, dv = self.feature_map.feature_dim, v.shape[-1]
+            b, h = q.shape[:2]
+            check_state_tensor("kv", state.kv, (b, h, d_feat, dv + 1), q.device, owner, "[B, H, D, dv + 1]")
+            if state.poisoned is not None:
+                check_state_tensor("poisoned", state.poisoned, (b, h), q.device, owner, "[B, H]")
+        out, state = self._run(q, k, v, mask, state, redraw=False)
+        state.owner = owner
+        return out, state
+
+    def state_owner(self, q: torch.Tensor, v: torch.Tensor) -> StateOwner:
+        """The :class:`~kernelattn_core.interfaces.state.StateOwner` of the decoding states
+        made from ``q [B, H, T, d]`` and ``v [B, H, T, dv]`` (a built map)."""
+        norm = getattr(self.normalizer, "name", type(self.normalizer).__name__)
+        return StateOwner(
+            type(self).__name__,
+            (("num_features", self.num_features), ("normalizer", norm)),
+            q.shape[0],
+            q.shape[1],
+            (("D", self.feature_map.feature_dim), ("dv", v.shape[-1]), ("d", q.shape[-1])),
+        )
 
     def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
         _refuse_noncausal(causal)
