@@ -12,7 +12,7 @@ from torch import nn
 from .api import create
 from .errors import InputError
 from .interfaces.state import StateOwner, check_state, check_state_tensor
-from .validation import check_positive_int, check_tensor
+from .validation import check_bool, check_positive_int, check_tensor
 
 
 @dataclass
@@ -119,6 +119,9 @@ class KernelAttention(nn.Module):
         super().__init__()
         check_positive_int("embed_dim", embed_dim)
         check_positive_int("num_heads", num_heads)
+        check_bool("causal", causal)
+        check_bool("batch_first", batch_first)
+        check_bool("bias", bias)
         if embed_dim % num_heads:
             raise InputError(f"num_heads: expected a divisor of embed_dim = {embed_dim}, got {num_heads}")
         self.embed_dim, self.num_heads = embed_dim, num_heads
@@ -238,7 +241,8 @@ class KernelAttention(nn.Module):
         """What the estimator of :meth:`forward` gets for the same arguments:
         ``q [B, H, N, d]``, ``k [B, H, M, d]``, ``v [B, H, M, d]``, the boolean
         ``key_padding_mask [B, M]`` and the causal flag (used by fitting)."""
-        if need_weights:
+        if need_weights is not False:
+            check_bool("need_weights", need_weights)
             raise InputError(
                 "need_weights: kernelized attention never forms the attention weights; "
                 "call with need_weights=False (the second output is None)"
@@ -257,9 +261,11 @@ class KernelAttention(nn.Module):
             raise InputError(f"value: expected [B, M] = {list(key.shape[:2])} as key, got {list(value.shape[:2])}")
         if key.shape[0] != b:
             raise InputError(f"key: expected batch size {b} as query, got {key.shape[0]}")
+        if is_causal is not None:  # never read "no" as True: a bool or None only
+            check_bool("is_causal", is_causal, " or None (the module's causal flag)")
         kpm = bool_key_padding_mask(key_padding_mask, b, m)
         mask_causal = causal_from_attn_mask(attn_mask, n, m, b * self.num_heads)
-        causal = self.causal if is_causal is None else bool(is_causal)
+        causal = self.causal if is_causal is None else is_causal
         if attn_mask is not None:
             if is_causal and not mask_causal:
                 raise InputError("is_causal: True was given with an attn_mask that is not the causal mask")

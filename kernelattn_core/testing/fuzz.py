@@ -624,6 +624,8 @@ class BadInput:
     call: Callable[[Any], Any] | None = None  # a bad call of a well-built estimator
     needs: str = ""  # "budget", "random", "feature_map": only classes with that capability
     may_work: bool = False  # a class may also handle it correctly (then it is no bad input for it)
+    #: a bad use of the class through KernelAttention or its state (given the entry)
+    module_call: Callable[[Entry], Any] | None = None
 
 
 def _meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -636,6 +638,59 @@ def _twice(est: Any) -> Any:
     est(q, k, v, **mode)
     q, k, v = _qkv(d=6)
     return est(q, k, v, **mode)
+
+
+def _module(entry: Entry, **options: Any) -> Any:
+    """:class:`~kernelattn_core.KernelAttention` (width 8, 2 heads) around ``entry``'s class."""
+    from ..module import KernelAttention
+
+    opts: dict[str, Any] = {}
+    if getattr(entry.cls, "has_budget", False) and entry.kind != "kernel":
+        opts["num_features"] = 16
+    if _random(entry) and _accepts(entry, "seed"):
+        opts["seed"] = 0
+    if _causal_only(entry.cls):
+        opts["causal"] = True
+    torch.manual_seed(0)
+    return KernelAttention(8, 2, estimator=entry.name, **{**opts, **options})
+
+
+def _x(batch: int = 2, n: int = 3) -> torch.Tensor:
+    return 0.1 * torch.randn(batch, n, 8, generator=torch.Generator().manual_seed(2))
+
+
+def _is_causal(value: object) -> Callable[[Entry], Any]:
+    return lambda entry: _module(entry)(_x(), is_causal=value)
+
+
+def _foreign_state(kind: str) -> Callable[[Entry], Any]:
+    def run(entry: Entry) -> Any:
+        module = _module(entry)
+        if not _supports_causal(module.estimator):
+            return None  # no decoding: nothing to refuse
+        state: Any = {"kv": 1}
+        if kind == "batch":  # a batch-1 state given to a batch of 2
+            state = module.step(_x(batch=1))[1]
+        return module.step(_x(n=1), state)
+
+    return run
+
+
+def _families(module: Any) -> dict[str, bytes]:
+    return {k: bytes(v.tolist()) for k, v in module.state_dict().items() if k.endswith("_family")}
+
+
+def _other_family(entry: Entry) -> Any:
+    """``load_state_dict`` of another family's checkpoint (``elu``'s, or ``softmax``'s for
+    ``elu`` itself)."""
+    from ..api import create
+
+    est = make(entry)
+    est(*_qkv(), **({"causal": True} if _causal_only(est) else {}))  # builds what is built lazily
+    other = create("elu")
+    if _families(other) == _families(est):
+        other = create("softmax")
+    return est.load_state_dict(other.state_dict())
 
 
 #: More than 40 kinds of bad input; each must raise InputError naming ``argument``.
@@ -690,6 +745,15 @@ BAD_INPUTS: tuple[BadInput, ...] = (
     BadInput("q-meta-device", "q", call=_call(q=_meta, k=_meta, v=_meta)),
     # a class with d-dependent state (a built map) must refuse a new d; others may just work
     BadInput("head-dim-changes-after-build", "d", call=_twice, may_work=True),
+    # through KernelAttention: flags are bools, never read by their truth value ("no" is not True)
+    BadInput("is-causal-string", "is_causal", module_call=_is_causal("no")),
+    BadInput("is-causal-int", "is_causal", module_call=_is_causal(1)),
+    BadInput("module-causal-string", "causal", module_call=lambda entry: _module(entry, causal="yes")),
+    BadInput("module-batch-first-string", "batch_first", module_call=lambda entry: _module(entry, batch_first="no")),
+    # decoding states know their owner; checkpoints their family
+    BadInput("step-state-not-a-state", "state", module_call=_foreign_state("dict")),
+    BadInput("step-state-of-another-batch", "state", module_call=_foreign_state("batch")),
+    BadInput("load-state-dict-of-another-family", "state_dict", module_call=_other_family),
 )
 
 
@@ -714,6 +778,12 @@ def check_bad_input(entry: Entry, bad: BadInput) -> str | None:
     happened instead (``silent``: no error; ``obscure``: another error or a message
     that does not name the argument)."""
     try:
+        if bad.module_call is not None:
+            with torch.no_grad():
+                out = bad.module_call(entry)
+            if out is None:  # the class has nothing this kind could misuse
+                return None
+            return f"silent: accepted (expected an InputError naming {bad.argument!r})"
         if bad.options is not None:
             est = make(entry, **bad.options)
             if bad.call is None:
