@@ -64,8 +64,9 @@ collective.
 
 Requirements: every rank holds the same feature map configuration (the map's buffers and
 the redraw seed are broadcast from the group's first rank on each call, so random
-features agree); normalisers whose ``pre`` uses statistics of the sequence, and
-data-adapted maps in training mode (CEXP), see only their rank's positions. The
+features agree); normalisers whose ``pre`` uses statistics of the sequence see only
+their rank's positions; data-adapted maps in training mode (CEXP, ``sync=True``) pool
+their statistics over the *default* group (with a subgroup, pass ``sync=False``). The
 collectives run on CPU tensors under gloo and on the inputs' device under NCCL; the
 timeouts are tested with gloo on 127.0.0.1 (``tests/test_sequence_parallel.py``).
 """
