@@ -52,7 +52,14 @@ first-order recurrence).
 Feature maps act token by token (a position's features depend on that position's input
 only) and take their trainable tensors from ``parameters()``; both are part of the
 :class:`~kernelattn_core.interfaces.FeatureMap` contract. Padded keys are set to 0 before
-the map, so a padded position's own gradient is exactly 0 whatever it holds.
+the map, so a padded position's own gradient is exactly 0 whatever it holds; a non-finite
+input row never reaches the map either (:meth:`~kernelattn_core.interfaces.FeatureMap.raw_features`
+gives it a NaN row with zero gradient). Non-finite keys and query rows are quarantined in
+both forms: the causal one by :func:`~kernelattn_core.engine.torch_backend.prepare_causal`,
+the non-causal one by :func:`~kernelattn_core.engine.torch_backend.quarantine_keys` (a
+head holding such a key has every row NaN) and a check of each group's denominators (a
+non-finite query row); in the backward pass a row whose output is not finite sends no
+gradient back (its normaliser sees ``num = 0``, ``den = 1`` there).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ patterns:
     ``torch.manual_seed``) give identical outputs over several training steps; every
     random estimator accepts ``seed``.
 ``bad_inputs``
-    The catalogue :data:`BAD_INPUTS` (more than 40 kinds): each is answered by an
+    The catalogue :data:`BAD_INPUTS` (52 kinds): each is answered by an
     :class:`~kernelattn_core.errors.InputError` whose message names the argument.
 
 A causal-only estimator (class data ``supports_noncausal = False``) is called with
@@ -693,7 +693,7 @@ def _other_family(entry: Entry) -> Any:
     return est.load_state_dict(other.state_dict())
 
 
-#: More than 40 kinds of bad input; each must raise InputError naming ``argument``.
+#: 52 kinds of bad input; each must raise InputError naming ``argument``.
 BAD_INPUTS: tuple[BadInput, ...] = (
     BadInput("scale-nan", "scale", {"scale": float("nan")}),
     BadInput("scale-inf", "scale", {"scale": float("inf")}),
