@@ -310,11 +310,14 @@ def _gradient_isolation(entry: Entry) -> Callable[[], None]:
         if mode == "query_row":
             where = "q"  # a query row is seen by its own row only
         q, k, v = _tensors(seed, 1, 2, n, n, d, 3, 0.5, torch.float64)
-        q[:, :, t:] = 0.0  # later rows' own pairs inside every kernel's domain (see causal_prefix)
+        # later rows' own pairs well inside every kernel's domain (see causal_prefix), but not
+        # 0: a map that normalises its input (rfa) has no gradient at 0
+        q[:, :, t:] *= 0.1
         x = {"q": q, "k": k, "v": v}[where]
         if bad == "huge":  # finite, a hundred times larger than the others (features may overflow)
-            x[:, :, t:] = 100.0 * (x[:, :, t:] + (0.5 if where == "q" else 0.0))
-            what = f"{where}[{t}:] x 100"
+            at = slice(t, None) if mode == "future" else slice(t, t + 1)  # only what the loss does not see
+            x[:, :, at] = 100.0 * (x[:, :, at] + (0.5 if where == "q" else 0.0))
+            what = f"{where}[{t}{':' if mode == 'future' else ''}] x 100"
         else:
             x[:, :, t] = bad
             what = f"{where}[{t}] = {bad}"
@@ -349,7 +352,7 @@ def _gradient_isolation(entry: Entry) -> Callable[[], None]:
             raise _fail(entry.name, prop, f"{what} ({mode}, causal={causal}): rows that do not see it are non-finite")
         grads = torch.autograd.grad(out[:, :, rows].sum(), [*leaves, *params], allow_unused=True)
         own = torch.zeros(n, dtype=torch.bool)
-        own[t if bad != "huge" else slice(t, None)] = True
+        own[t if bad != "huge" or mode != "future" else slice(t, None)] = True
         for arg, g in zip("qkv", grads[:3]):
             if g is None:
                 continue
