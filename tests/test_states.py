@@ -197,3 +197,18 @@ def test_the_same_family_round_trips_and_an_old_checkpoint_still_loads() -> None
     c = ka.create("gmm-prf", num_features=8, seed=2)
     c.load_state_dict(old)
     torch.testing.assert_close(c(q, q, q), a(q, q, q))
+
+
+@pytest.mark.parametrize("name", ["prf", "softmax", "rfa-gate", "gmm-prf", "schoenbat"])
+def test_modules_still_pickle_whole(name: str) -> None:
+    """The family hooks are module-level functions: torch.save(module) keeps working (a
+    closure made it fail with "Can't pickle local object")."""
+    est = _built(name).eval()
+    buffer = io.BytesIO()
+    torch.save(est, buffer)
+    buffer.seek(0)
+    back = torch.load(buffer, weights_only=False)
+    x = 0.1 * torch.randn(1, 2, 4, 8)
+    mode = {"causal": True} if not getattr(est, "supports_noncausal", True) else {}
+    torch.testing.assert_close(back(x, x, x, **mode), est(x, x, x, **mode))
+    assert _family(back) == _family(est)

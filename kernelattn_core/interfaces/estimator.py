@@ -84,7 +84,7 @@ class AttentionEstimator(nn.Module, ABC):
         self.scale = check_scale(scale)
         #: name of the backend that ran the last forward call (for reporting)
         self.last_backend: str | None = None
-        add_family_marker(self, self.state_family)  # another family's checkpoint is refused
+        add_family_marker(self)  # another family's checkpoint is refused
 
     def state_family(self) -> str:
         """The family ``state_dict`` names (``load_state_dict`` refuses another family's

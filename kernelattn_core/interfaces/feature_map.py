@@ -150,12 +150,17 @@ class FeatureMap(nn.Module, ABC):
         # -1 until built; persistent so that a state dict remembers the head dimension
         self.register_buffer("_built_head_dim", torch.tensor(-1, dtype=torch.long))
         # the state dict names the map, and another map's checkpoint is refused (before the build below)
-        add_family_marker(self, lambda: type(self).name)
+        add_family_marker(self)
         self.register_load_state_dict_pre_hook(_build_before_load)
         if head_dim is not None:
             self.build(head_dim, generator=generator)
 
     # ------------------------------------------------------------------ lifecycle
+    def state_family(self) -> str:
+        """The family ``state_dict`` names (``load_state_dict`` refuses another family's
+        checkpoint, naming both): the registry name."""
+        return getattr(type(self), "name", type(self).__qualname__)
+
     @property
     def built(self) -> bool:
         """Whether the head dimension is known and the parameters exist."""

@@ -45,7 +45,12 @@ class Normalizer(nn.Module):
         super().__init__()
         self.eps = eps
         # the state dict names the normaliser, and another normaliser's checkpoint is refused
-        add_family_marker(self, lambda: getattr(type(self), "name", type(self).__qualname__))
+        add_family_marker(self)
+
+    def state_family(self) -> str:
+        """The family ``state_dict`` names (``load_state_dict`` refuses another family's
+        checkpoint, naming both): the registry name."""
+        return getattr(type(self), "name", type(self).__qualname__)
 
     def pre(
         self,

@@ -99,31 +99,33 @@ def family_marker(family: str) -> torch.Tensor:
     return torch.tensor(list(family.encode()), dtype=torch.uint8)
 
 
-def add_family_marker(module: torch.nn.Module, family: Any) -> None:
-    """Make ``module``'s ``state_dict`` name its family (``family()``, a string such as the
-    registry name) and its ``load_state_dict`` refuse another family's checkpoint with an
-    :class:`~kernelattn_core.errors.InputError` naming both. A checkpoint without the
-    entry (saved before modules named their family) loads as before."""
+def add_family_marker(module: torch.nn.Module) -> None:
+    """Make ``module``'s ``state_dict`` name its family (``module.state_family()``, a
+    string such as the registry name) and its ``load_state_dict`` refuse another family's
+    checkpoint with an :class:`~kernelattn_core.errors.InputError` naming both. A
+    checkpoint without the entry (saved before modules named their family) loads as
+    before. The hooks are module-level functions, so the module still pickles."""
+    module.register_state_dict_post_hook(_put_family)
+    module.register_load_state_dict_pre_hook(_check_family)
 
-    def put(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-        state_dict[prefix + FAMILY_KEY] = family_marker(family())
 
-    def check(module: torch.nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-        saved = state_dict.pop(prefix + FAMILY_KEY, None)  # load_state_dict works on a copy
-        if saved is None:
-            return
-        mine = family()
-        try:
-            theirs = bytes(saved.to(torch.uint8).flatten().tolist()).decode()
-        except (AttributeError, TypeError, ValueError, UnicodeDecodeError):
-            theirs = repr(saved)
-        if theirs != mine:
-            where = f" (keys under {prefix!r})" if prefix else ""
-            raise InputError(
-                f"state_dict: a checkpoint of {theirs!r}{where} cannot be loaded into {mine!r}: another family's "
-                "draws and parameters would be read as this one's; load it into a "
-                f"{theirs!r} module, or drop those keys to keep this module's own state"
-            )
+def _put_family(module: Any, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    state_dict[prefix + FAMILY_KEY] = family_marker(module.state_family())
 
-    module.register_state_dict_post_hook(put)
-    module.register_load_state_dict_pre_hook(check)
+
+def _check_family(module: Any, state_dict: dict, prefix: str, *args: Any) -> None:
+    saved = state_dict.pop(prefix + FAMILY_KEY, None)  # load_state_dict works on a copy
+    if saved is None:
+        return
+    mine = module.state_family()
+    try:
+        theirs = bytes(saved.to(torch.uint8).flatten().tolist()).decode()
+    except (AttributeError, TypeError, ValueError, UnicodeDecodeError):
+        theirs = repr(saved)
+    if theirs != mine:
+        where = f" (keys under {prefix!r})" if prefix else ""
+        raise InputError(
+            f"state_dict: a checkpoint of {theirs!r}{where} cannot be loaded into {mine!r}: another family's "
+            f"draws and parameters would be read as this one's; load it into a {theirs!r} module, or drop "
+            "those keys to keep this module's own state"
+        )
