@@ -269,6 +269,38 @@ class _Bar:
             self._plain.__exit__(None, None, None)
 
 
+def _fit_layer(
+    est: nn.Module,
+    layer: _Layer,
+    *,
+    steps: int,
+    lr: float,
+    loss: str,
+    rows: int,
+    gen: torch.Generator,
+    bar: _Bar | None = None,
+    label: str = "",
+) -> None:
+    """Adam on the estimator's trainable parameters, one sequence per step, ``rows``
+    random valid query rows in the loss (the estimator must be in eval mode)."""
+    params = [p for p in est.parameters() if p.requires_grad]
+    if not params or not steps:
+        for _ in range(steps if bar is not None else 0):
+            bar.advance(f"{label} (nothing to fit)")  # type: ignore[union-attr]
+        return
+    opt = torch.optim.Adam(params, lr=lr)
+    for step in range(steps):
+        i = step % len(layer.q)
+        valid = _valid_rows(layer, i)
+        pick = valid[torch.randperm(len(valid), generator=gen)[:rows]].sort().values
+        value = _loss(est, layer, i, pick, loss)
+        opt.zero_grad()
+        value.backward()
+        opt.step()
+        if bar is not None:
+            bar.advance(f"{label} {loss} {value.item():.4f}")
+
+
 def distill_attention(
     student: nn.Module,
     teacher: nn.Module,
@@ -345,20 +377,7 @@ def distill_attention(
             before = _evaluate(est, layer, loss)
             params = [p for p in est.parameters() if p.requires_grad]
             start_state = {k: v.detach().clone() for k, v in est.state_dict().items()}
-            if params and steps:
-                opt = torch.optim.Adam(params, lr=lr)
-                for step in range(steps):
-                    i = step % len(layer.q)
-                    valid = _valid_rows(layer, i)
-                    pick = valid[torch.randperm(len(valid), generator=gen)[:rows]].sort().values
-                    value = _loss(est, layer, i, pick, loss)
-                    opt.zero_grad()
-                    value.backward()
-                    opt.step()
-                    bar.advance(f"layer {index} {loss} {value.item():.4f}")
-            else:
-                for _ in range(steps):
-                    bar.advance(f"layer {index} (nothing to fit)")
+            _fit_layer(est, layer, steps=steps, lr=lr, loss=loss, rows=rows, gen=gen, bar=bar, label=f"layer {index}")
             after = _evaluate(est, layer, loss)
             restored = not after[0] <= before[0]  # NaN included
             if restored:
