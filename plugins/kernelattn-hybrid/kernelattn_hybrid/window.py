@@ -61,11 +61,19 @@ import torch.nn.functional as F
 
 NEG = float("-inf")
 
+#: up to this many blocks the non-causal far sums are one ``[nb, nb]`` product (fewer
+#: passes than a prefix and a suffix sum; quadratic in ``nb``, so longer inputs scan)
+FAR_MATMUL_BLOCKS = 64
+
 
 def _blocks(x: torch.Tensor, length: int, block: int) -> torch.Tensor:
     """``x [B, H, L, e]`` padded with zeros to ``length`` and cut into ``[B, H, L / C, C, e]``."""
-    x = F.pad(x, (0, 0, 0, length - x.shape[-2]))
-    return x.unflatten(-2, (length // block, block))
+    return _rows(x, length).unflatten(-2, (length // block, block))
+
+
+def _rows(x: torch.Tensor, length: int) -> torch.Tensor:
+    """``x [..., L', e]`` padded with zero rows to ``length`` (no copy when it has them)."""
+    return x if x.shape[-2] == length else F.pad(x, (0, 0, 0, length - x.shape[-2]))
 
 
 def _local(x: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -346,19 +354,20 @@ def _noncausal(
         a = phi_q.detach().amax(-1)  # [B, H, N]
         a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
         fq = (phi_q - a.unsqueeze(-1)).exp()
-        lk = F.pad(phi_k, (0, 0, 0, length - m_keys)).masked_fill(~feat_key[:, None, :, None], NEG)
+        lk = _rows(phi_k, length).masked_fill(~feat_key[:, None, :, None], NEG)
         c = lk.detach().amax((-1, -2))  # [B, H]: one constant per row of heads
         c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
         fk = (lk - c[..., None, None]).exp()  # [B, H, L, D], <= 1, 0 at non-feature keys
     else:
         a = torch.zeros(q.shape[:-1], dtype=dtype, device=device)
         fq = phi_q
-        fk = F.pad(phi_k, (0, 0, 0, length - m_keys)).masked_fill(~feat_key[:, None, :, None], 0.0)
+        fk = _rows(phi_k, length).masked_fill(~feat_key[:, None, :, None], 0.0)
         c = torch.zeros(b_, h_, dtype=dtype, device=device)
 
+    keep = feat_key[:, None, :, None].to(v.dtype)  # [B, 1, L, 1]
+    # values and a column of ones (the denominator), both zero at keys outside the window and feature sets
+    v1 = torch.cat([_rows(v, length) * keep, keep.expand(b_, h_, length, 1)], -1)  # [B, H, L, dv + 1]
     ones = torch.ones(*v.shape[:-1], 1, dtype=v.dtype, device=device)
-    v1 = F.pad(torch.cat([v, ones], -1), (0, 0, 0, length - m_keys))  # [B, H, L, dv + 1]
-    v1 = v1 * feat_key[:, None, :, None]  # the ones column counts only allowed keys
     qb = _blocks(q, length, c_blk)  # [B, H, nb, C, d]
     fqb = _blocks(fq, length, c_blk)  # [B, H, nb, C, D]
     v_loc = _slide(v1, c_blk).transpose(-1, -2)  # [B, H, nb, 3C, dv + 1]
@@ -367,7 +376,7 @@ def _noncausal(
     bias, outside = _static_masks(c_blk, window, device, dtype)
     key_ok = _slide(feat_key[:, None, :, None].to(dtype), c_blk)[:, 0, :, 0]  # [B, nb, 3C]
     key_bias = torch.zeros_like(key_ok).masked_fill(key_ok == 0, NEG)  # [B, nb, 3C]
-    k_loc = _slide(F.pad(k, (0, 0, 0, length - m_keys)), c_blk)  # [B, H, nb, d, 3C]
+    k_loc = _slide(_rows(k, length), c_blk)  # [B, H, nb, d, 3C]
     s_loc = qb @ k_loc + (bias + key_bias[:, :, None, :]).unsqueeze(1)  # [B, H, nb, C, 3C]
     win_max = s_loc.detach().amax(-1)  # [B, H, nb, C]
     if g > 0:
@@ -382,14 +391,28 @@ def _noncausal(
         ne = ne + e_g @ torch.cat([v[:, :, :g], ones[:, :, :g]], -1).unsqueeze(2)  # [B, H, 1, g, dv + 1]
 
     # feature terms: local pairs outside the window, then the blocks farther than one
-    f_loc = (fqb @ _slide(fk, c_blk)) * outside  # [B, H, nb, C, 3C]
-    nf = f_loc @ v_loc  # [B, H, nb, C, dv + 1]
+    fkb = fk.unflatten(-2, (nb, c_blk))  # [B, H, nb, C, D]
+    v1b = v1.unflatten(-2, (nb, c_blk))  # [B, H, nb, C, dv + 1]
+    if c_blk <= window:  # the own block lies inside every window: only the neighbour blocks' pairs
+        fk_pad = F.pad(fkb, (0, 0, 0, 0, 1, 1))  # [B, H, nb + 2, C, D]
+        v_pad = F.pad(v1b, (0, 0, 0, 0, 1, 1))
+        f_left = (fqb @ fk_pad[:, :, :-2].transpose(-1, -2)) * outside[:, :c_blk]  # [B, H, nb, C, C]
+        f_right = (fqb @ fk_pad[:, :, 2:].transpose(-1, -2)) * outside[:, 2 * c_blk :]
+        nf = f_left @ v_pad[:, :, :-2] + f_right @ v_pad[:, :, 2:]  # [B, H, nb, C, dv + 1]
+    else:
+        f_loc = (fqb @ _slide(fk, c_blk)) * outside  # [B, H, nb, C, 3C]
+        nf = f_loc @ v_loc  # [B, H, nb, C, dv + 1]
     if nb > 2:
-        s_blk = fk.unflatten(-2, (nb, c_blk)).transpose(-1, -2) @ v1.unflatten(-2, (nb, c_blk))  # [B,H,nb,D,dv+1]
-        pre = s_blk.cumsum(2)
-        suf = s_blk.flip(2).cumsum(2).flip(2)
-        zero = torch.zeros_like(s_blk[:, :, :2])
-        far = torch.cat([zero, pre[:, :, :-2]], 2) + torch.cat([suf[:, :, 2:], zero], 2)
+        s_blk = fkb.transpose(-1, -2) @ v1b  # [B, H, nb, D, dv + 1]: per-block sums
+        if nb <= FAR_MATMUL_BLOCKS:  # blocks two or more apart, as one [nb, nb] product
+            idx = torch.arange(nb, device=device)
+            far_of = ((idx[:, None] - idx[None, :]).abs() >= 2).to(dtype)  # [nb, nb]
+            far = (far_of @ s_blk.flatten(-2)).unflatten(-1, s_blk.shape[-2:])
+        else:  # linear in nb: an exclusive prefix and a suffix sum
+            pre = s_blk.cumsum(2)
+            suf = s_blk.flip(2).cumsum(2).flip(2)
+            zero = torch.zeros_like(s_blk[:, :, :2])
+            far = torch.cat([zero, pre[:, :, :-2]], 2) + torch.cat([suf[:, :, 2:], zero], 2)
         nf = nf + fqb @ far
 
     # one log-normaliser per row
