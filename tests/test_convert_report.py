@@ -253,3 +253,37 @@ def test_allocation_keeps_the_budget_and_the_best_validated_split(tokenizer) -> 
     assert len(report.layers) == 2
     with pytest.raises(ka.InputError, match="windows"):
         allocate_budget(student, teacher, fit, val, options=options, budget=6, windows=(4,), steps=1, progress=False)
+
+
+# ---------------------------------------------------------------------- the command line
+def test_cli_runs_every_stage_and_reports_the_new_columns(tokenizer, tmp_path, capsys) -> None:
+    import json
+
+    from kernelattn_core.cli.main import main
+
+    model = tiny(positions=64).float()
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    fit, held = tmp_path / "fit.txt", tmp_path / "held.txt"
+    fit.write_text(_text(60, seed=1))
+    held.write_text(_text(40, seed=2))
+    args = ["convert", str(tmp_path / "m"), "--estimator", "sliding-window", "--option", "global_tokens=1"]
+    args += ["--option", "seed=0", "--window", "2", "--budget", "14", "--fit-texts", str(fit)]
+    args += ["--eval-texts", str(held), str(fit), "--max-length", "48", "--steps", "3", "--rows", "8"]
+    args += ["--allocate", "20", "--allocate-windows", "2,4", "--allocate-steps", "2", "--e2e-steps", "3"]
+    args += ["--lora-rank", "1", "--sentences", "12", "--passages", "2", "--format", "json", "--no-progress"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "are in the fitting text" in captured.err  # the second evaluation text is the fitting text
+    records = json.loads(captured.out)
+    layers, summary = records[:-1], records[-1]
+    assert [r["window"] for r in layers] == [a["window"] for a in summary["allocation"]]
+    assert all(a["budget"] <= 20 for a in summary["allocation"])
+    assert all(r["output_rel_error"] == max(r[f"output_rel_error_{t}"] for t in (str(held), str(fit))) for r in layers)
+    assert summary["held_out_overlap"] == {str(held): 0.0, str(fit): 1.0}
+    assert summary["e2e_steps"] == 3 and summary["e2e_loss_after"] <= summary["e2e_loss_before"]
+    assert [e["text"] for e in summary["embeddings"]] == [str(held), str(fit)]
+    first = summary["embeddings"][0]
+    assert first["cos_26_127_count"] > 0 and 0 < first["cos_26_127_mean"] <= 1
+    assert first["passage512_count"] == 0 and summary["passage512_mean"] is None  # 48 positions: no 512 passage
+    assert summary["nn_agreement"] == min(e["nn_agreement"] for e in summary["embeddings"])

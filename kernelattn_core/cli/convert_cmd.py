@@ -91,6 +91,17 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--eval-sequences", type=int, default=4, help="packed evaluation sequences")
     p.add_argument("--sentences", type=int, default=256, help="evaluation sentences per text for the embedding figures")
     p.add_argument("--passages", type=int, default=16, help="packed evaluation pieces per length and text (64-512)")
+    p.add_argument(
+        "--allocate",
+        type=int,
+        metavar="TOTAL",
+        help="per layer, split TOTAL exact-plus-feature keys per query between --window and --budget by a brief fit "
+        "of each --allocate-windows candidate, judged on a validation slice of the fitting text (sliding-window)",
+    )
+    p.add_argument(
+        "--allocate-windows", default="8,16,24,32,40", metavar="W,W,...", help="candidate windows of --allocate"
+    )
+    p.add_argument("--allocate-steps", type=int, default=150, help="steps of each candidate's brief fit")
     p.add_argument("--e2e-steps", type=int, default=0, help="end-to-end steps after the per-layer fit (0: no stage 2)")
     p.add_argument("--e2e-lr", type=float, default=2e-3, help="learning rate of the end-to-end stage")
     p.add_argument("--e2e-length", type=int, default=None, help="tokens per end-to-end passage (default --max-length)")
@@ -204,6 +215,16 @@ def _model_config(model: str) -> tuple[Path, dict[str, Any]]:
     return path, data
 
 
+def _windows(text: str) -> list[int]:
+    try:
+        windows = [int(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        raise InputError(f"--allocate-windows: expected comma-separated integers, got {text!r}") from None
+    if not windows or min(windows) < 0:
+        raise InputError(f"--allocate-windows: expected integers >= 0, got {text!r}")
+    return windows
+
+
 def validate(args: argparse.Namespace) -> dict[str, Any]:
     """Every argument of ``convert``, checked before any work (no model is loaded and
     nothing is fitted before an argument is refused): returns the estimator options, the
@@ -225,6 +246,16 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     _check_count("--sentences", args.sentences, 1)
     _check_count("--passages", args.passages, 1)
     _check_count("--e2e-steps", args.e2e_steps, 0)
+    _check_count("--allocate", args.allocate, 4, none_ok=True)
+    _check_count("--allocate-steps", args.allocate_steps, 1)
+    windows = _windows(args.allocate_windows)
+    if args.allocate is not None:
+        from ..convert.allocate import splits
+
+        if not splits(args.allocate, windows, int(options.get("global_tokens", 0))):
+            raise InputError(
+                f"--allocate-windows: no window of {windows} leaves features within --allocate {args.allocate}"
+            )
     _check_count("--e2e-batch", args.e2e_batch, 1)
     _check_count("--e2e-length", args.e2e_length, 3, none_ok=True)
     _check_count("--lora-rank", args.lora_rank, 0)
@@ -304,6 +335,34 @@ def run(args: argparse.Namespace) -> int:
     talk = progress_wanted(sys.stderr, not args.no_progress)
     start = time.perf_counter()
     fit = on_device(minilm.pack(tokenizer, fit_text, max_length=args.max_length, max_sequences=args.fit_sequences))
+    allocation = None
+    if args.allocate is not None:
+        from ..convert.allocate import allocate_budget
+
+        windows = _windows(args.allocate_windows)
+        _stage(f"allocation: {len(windows)} window/feature splits of {args.allocate} per layer", talk)
+        part = minilm.random_passages(
+            tokenizer, fit_text, length=args.max_length, count=8, seed=args.seed, part=(0, 0.9)
+        )
+        check = minilm.random_passages(
+            tokenizer, fit_text, length=args.max_length, count=2, seed=args.seed + 1, part=(0.9, 1)
+        )
+        allocation = allocate_budget(
+            student,
+            teacher,
+            [on_device(part)],
+            [on_device(check)],
+            estimator=args.estimator,
+            options=options,
+            budget=args.allocate,
+            windows=windows,
+            steps=args.allocate_steps,
+            lr=args.lr,
+            rows=args.rows,
+            loss=args.loss,
+            seed=args.seed,
+            progress=progress,
+        )
     _stage(f"stage 1: per-layer attention fit, {args.steps} steps per layer", talk and args.steps > 0)
     report = distill_attention(
         student,
@@ -380,6 +439,11 @@ def run(args: argparse.Namespace) -> int:
                 "loss_after": fitted.loss_after,
                 "parameters": fitted.parameters,
                 "fit_seconds": fitted.seconds,
+                **(
+                    {"window": allocation[index]["window"], "num_features": allocation[index]["num_features"]}
+                    if allocation
+                    else {}
+                ),
             }
         )
     flats = [e.flat() for e in embeddings]
@@ -407,6 +471,7 @@ def run(args: argparse.Namespace) -> int:
         "layer_fit_seconds": report.seconds,
         "e2e_seconds": e2e.seconds if e2e else 0.0,
         "e2e_steps": args.e2e_steps,
+        "allocation": [{k: a[k] for k in ("layer", "window", "num_features", "budget")} for a in allocation or []],
         "e2e_loss_before": e2e.loss_before if e2e else None,
         "e2e_loss_after": e2e.loss_after if e2e else None,
         "e2e_best_step": e2e.best_step if e2e else None,
