@@ -287,3 +287,17 @@ def test_cli_runs_every_stage_and_reports_the_new_columns(tokenizer, tmp_path, c
     assert first["cos_26_127_count"] > 0 and 0 < first["cos_26_127_mean"] <= 1
     assert first["passage512_count"] == 0 and summary["passage512_mean"] is None  # 48 positions: no 512 passage
     assert summary["nn_agreement"] == min(e["nn_agreement"] for e in summary["embeddings"])
+
+
+def test_distill_reports_embeddings_on_the_evaluation_texts(tokenizer) -> None:
+    teacher = tiny()
+    student = convert_attention(teacher, "sliding-window", window=2, num_features=6, global_tokens=1, seed=0)
+    fit = _passages(tokenizer, 2, 0)
+    report = distill_attention(
+        student, teacher, fit, steps=2, progress=False, eval_texts={"held": _text(30, seed=5)}, tokenizer=tokenizer
+    )
+    assert [e.text for e in report.embeddings] == ["held"]
+    assert report.embeddings[0].passages["128"]["count"] > 0 and report.embeddings[0].headline < 1 - 1e-6
+    assert not report.embeddings[0].buckets[0]["count"] == 0
+    with pytest.raises(ka.InputError, match="tokenizer"):
+        distill_attention(student, teacher, fit, steps=1, progress=False, eval_texts=["legal"])

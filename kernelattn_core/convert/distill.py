@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -72,12 +72,17 @@ class LayerReport:
 
 @dataclass
 class DistillReport:
-    """What :func:`distill_attention` did: one :class:`LayerReport` per layer."""
+    """What :func:`distill_attention` did: one :class:`LayerReport` per layer, and, when
+    evaluation texts were given, one
+    :class:`~kernelattn_core.convert.report.EmbeddingReport` per text (embedding cosine
+    by length bucket and on 128/512-token passages, nearest-neighbour agreement,
+    Spearman correlation of the similarity matrices)."""
 
     loss: str
     steps: int
     layers: list[LayerReport] = field(default_factory=list)
     seconds: float = 0.0
+    embeddings: list[Any] = field(default_factory=list)
 
     def records(self) -> list[dict[str, Any]]:
         """One dict per layer (for tables and JSON)."""
@@ -312,6 +317,8 @@ def distill_attention(
     rows: int = 128,
     seed: int = 0,
     progress: bool | None = None,
+    eval_texts: dict[str, str] | Sequence[str] | None = None,
+    tokenizer: Any = None,
 ) -> DistillReport:
     """Fit every converted layer of ``student`` to the softmax attention of ``teacher``.
 
@@ -341,11 +348,20 @@ def distill_attention(
         Seed of the row sampling.
     progress : bool, optional
         Progress bar on stderr (default: when stderr is a terminal).
+    eval_texts : dict or sequence of str, optional
+        Held-out texts (``name -> text``, or names of
+        :func:`~kernelattn_core.workloads.minilm.read_texts`) on which the fitted model's
+        embeddings are compared with the teacher's after the fit
+        (:func:`~kernelattn_core.convert.report.embedding_report`; Hugging Face encoders).
+        Never the fitting text.
+    tokenizer : optional
+        The models' tokenizer (needed with ``eval_texts``).
 
     Returns
     -------
     DistillReport
-        Per layer: loss and output relative error before and after, seconds.
+        Per layer: loss and output relative error before and after, seconds; per
+        evaluation text, the embedding report.
 
     Notes
     -----
@@ -359,6 +375,8 @@ def distill_attention(
     check_choice("loss", loss, ("ce", "mse"))
     if isinstance(lr, bool) or not isinstance(lr, int | float) or not lr > 0:
         raise InputError(f"lr: expected a positive number, got {lr!r}")
+    if eval_texts is not None and tokenizer is None:
+        raise InputError("tokenizer: needed to embed eval_texts (pass the models' tokenizer)")
     start = time.perf_counter()
     from . import converted_modules
 
@@ -400,6 +418,10 @@ def distill_attention(
     finally:
         bar.close()
     report.seconds = time.perf_counter() - start
+    if eval_texts is not None:
+        from .report import embedding_reports
+
+        report.embeddings = embedding_reports(teacher, student, tokenizer, eval_texts)
     return report
 
 

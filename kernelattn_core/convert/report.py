@@ -197,7 +197,7 @@ def embedding_report(
     name: str = "text",
     max_sentences: int = 256,
     max_pieces: int = 16,
-    max_length: int = 512,
+    max_length: int | None = None,
     batch_size: int = 16,
 ) -> EmbeddingReport:
     """Compare the embeddings of ``other`` (the converted model) with ``reference``'s on
@@ -217,8 +217,9 @@ def embedding_report(
         The first this many sentences (of four words or more) are embedded.
     max_pieces : int
         At most this many pieces of each length (:data:`PIECES`).
-    max_length : int
-        Longest piece and sentence (the model's positions; 512 for MiniLM).
+    max_length : int, optional
+        Longest piece and sentence; default: the model's positions
+        (``config.max_position_embeddings``), at most 512.
     batch_size : int
 
     Returns
@@ -230,6 +231,9 @@ def embedding_report(
     from ..workloads import minilm
 
     t0 = time.perf_counter()
+    if max_length is None:
+        positions = getattr(getattr(reference, "config", None), "max_position_embeddings", None)
+        max_length = min(512, positions) if isinstance(positions, int) else 512
     found = minilm.sentences(text)[:max_sentences]
     if not found:
         raise InputError(f"texts: {name!r} holds no sentence of four words or more to embed")
