@@ -96,6 +96,8 @@ BAD_CONVERT_ARGUMENTS: dict[str, tuple[list[str], str]] = {
     "e2e-steps-negative": (["--e2e-steps", "-1"], "--e2e-steps"),
     "e2e-batch-zero": (["--e2e-batch", "0"], "--e2e-batch"),
     "e2e-length-2": (["--e2e-length", "2"], "--e2e-length"),
+    "e2e-length-not-ints": (["--e2e-length", "128,x"], "--e2e-length"),
+    "e2e-weight-negative": (["--e2e-weight", "-1"], "--e2e-weight"),
     "e2e-length-beyond-the-model": (["--e2e-length", "100000"], "--e2e-length"),
     "e2e-lr-zero": (["--e2e-lr", "0"], "--e2e-lr"),
     "lora-rank-negative": (["--lora-rank", "-1"], "--lora-rank"),

@@ -271,7 +271,7 @@ def test_cli_runs_every_stage_and_reports_the_new_columns(tokenizer, tmp_path, c
     args += ["--option", "seed=0", "--window", "2", "--budget", "14", "--fit-texts", str(fit)]
     args += ["--eval-texts", str(held), str(fit), "--max-length", "48", "--steps", "3", "--rows", "8"]
     args += ["--allocate", "20", "--allocate-windows", "2,4", "--allocate-steps", "2", "--e2e-steps", "3"]
-    args += ["--lora-rank", "1", "--sentences", "12", "--passages", "2", "--format", "json", "--no-progress"]
+    args += ["--e2e-length", "24,48", "--lora-rank", "1", "--sentences", "12", "--passages", "2", "--format", "json", "--no-progress"]
     assert main(args) == 0
     captured = capsys.readouterr()
     assert "are in the fitting text" in captured.err  # the second evaluation text is the fitting text

@@ -104,7 +104,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--allocate-steps", type=int, default=150, help="steps of each candidate's brief fit")
     p.add_argument("--e2e-steps", type=int, default=0, help="end-to-end steps after the per-layer fit (0: no stage 2)")
     p.add_argument("--e2e-lr", type=float, default=2e-3, help="learning rate of the end-to-end stage")
-    p.add_argument("--e2e-length", type=int, default=None, help="tokens per end-to-end passage (default --max-length)")
+    p.add_argument(
+        "--e2e-length",
+        default=None,
+        metavar="N[,N...]",
+        help="tokens per end-to-end passage; several lengths are taken in turn (default --max-length)",
+    )
+    p.add_argument(
+        "--e2e-weight",
+        type=float,
+        default=10.0,
+        help="weight of the sentence-embedding cosine term against the hidden-state term (end-to-end)",
+    )
     p.add_argument("--e2e-batch", type=int, default=1, help="passages per end-to-end step")
     p.add_argument("--lora-rank", type=int, default=0, help="rank of q/k/v adapters in the end-to-end stage (0: none)")
     p.add_argument("--anchor", type=float, default=1e-3, help="pull of the end-to-end stage towards its start (L2-SP)")
@@ -215,6 +226,18 @@ def _model_config(model: str) -> tuple[Path, dict[str, Any]]:
     return path, data
 
 
+def _lengths(text: str | None, default: int) -> list[int]:
+    if text is None:
+        return [default]
+    try:
+        lengths = [int(n) for n in str(text).split(",") if n.strip()]
+    except ValueError:
+        raise InputError(f"--e2e-length: expected comma-separated integers, got {text!r}") from None
+    if not lengths or min(lengths) < 3:
+        raise InputError(f"--e2e-length: expected lengths >= 3 (CLS, one token, SEP), got {text!r}")
+    return lengths
+
+
 def _windows(text: str) -> list[int]:
     try:
         windows = [int(w) for w in text.split(",") if w.strip()]
@@ -257,7 +280,9 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
                 f"--allocate-windows: no window of {windows} leaves features within --allocate {args.allocate}"
             )
     _check_count("--e2e-batch", args.e2e_batch, 1)
-    _check_count("--e2e-length", args.e2e_length, 3, none_ok=True)
+    lengths = _lengths(args.e2e_length, args.max_length)
+    if not math.isfinite(args.e2e_weight) or args.e2e_weight < 0:
+        raise InputError(f"--e2e-weight: expected a finite number >= 0, got {args.e2e_weight}")
     _check_count("--lora-rank", args.lora_rank, 0)
     if not math.isfinite(args.e2e_lr) or args.e2e_lr <= 0:
         raise InputError(f"--e2e-lr: expected a positive finite learning rate, got {args.e2e_lr}")
@@ -270,8 +295,8 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     longest = config.get("max_position_embeddings")
     if isinstance(longest, int) and args.max_length > longest:
         raise InputError(f"--max-length: the model takes at most {longest} positions, got {args.max_length}")
-    if isinstance(longest, int) and args.e2e_length is not None and args.e2e_length > longest:
-        raise InputError(f"--e2e-length: the model takes at most {longest} positions, got {args.e2e_length}")
+    if isinstance(longest, int) and max(lengths) > longest:
+        raise InputError(f"--e2e-length: the model takes at most {longest} positions, got {max(lengths)}")
     _check_options(args.estimator, options)
     heads, width = config.get("num_attention_heads"), config.get("hidden_size")
     if isinstance(heads, int) and isinstance(width, int) and heads > 0 and width % heads == 0:
@@ -377,17 +402,28 @@ def run(args: argparse.Namespace) -> int:
     )
     e2e = None
     if args.e2e_steps:
-        length = args.e2e_length or args.max_length
-        _stage(f"stage 2: end-to-end fit, {args.e2e_steps} steps of {args.e2e_batch} x {length} tokens", talk)
-        train = minilm.random_passages(
-            tokenizer, fit_text, length=length, count=args.e2e_steps * args.e2e_batch, seed=args.seed, part=(0, 0.9)
-        )
-        held = minilm.random_passages(tokenizer, fit_text, length=length, count=4, seed=args.seed + 1, part=(0.9, 1))
+        lengths = _lengths(args.e2e_length, args.max_length)
         size = args.e2e_batch
-        batches = [
-            on_device({k: v[i * size : (i + 1) * size] for k, v in train.items()}) for i in range(args.e2e_steps)
-        ]
-        validation = [on_device({k: v[i : i + 2] for k, v in held.items()}) for i in (0, 2)]
+        _stage(
+            f"stage 2: end-to-end fit, {args.e2e_steps} steps of {size} passage(s) of {'/'.join(map(str, lengths))} "
+            "tokens",
+            talk,
+        )
+        batches: list[Any] = []
+        validation = []
+        for j, length in enumerate(lengths):  # every length takes its turn
+            count = len(range(j, args.e2e_steps, len(lengths)))
+            train = minilm.random_passages(
+                tokenizer, fit_text, length=length, count=max(1, count) * size, seed=args.seed + j, part=(0, 0.9)
+            )
+            batches.append(
+                [on_device({k: v[i * size : (i + 1) * size] for k, v in train.items()}) for i in range(count)]
+            )
+            held = minilm.random_passages(
+                tokenizer, fit_text, length=length, count=2, seed=args.seed + 100 + j, part=(0.9, 1)
+            )
+            validation.append(on_device(held))
+        batches = [batches[s % len(lengths)][s // len(lengths)] for s in range(args.e2e_steps)]
         e2e = finetune_end_to_end(
             student,
             teacher,
@@ -397,6 +433,7 @@ def run(args: argparse.Namespace) -> int:
             lr=args.e2e_lr,
             lora_rank=args.lora_rank,
             anchor=args.anchor,
+            embedding_weight=args.e2e_weight,
             seed=args.seed,
             eval_every=max(1, args.e2e_steps // 10),
             progress=progress,
