@@ -650,6 +650,34 @@ def test_launch_failure_is_wrapped_with_the_shape(monkeypatch):
 
 
 @interp
+def test_driver_resource_errors_are_launch_failures_other_errors_are_not(monkeypatch):
+    """CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (as Triton's driver reports it) is a launch
+    failure like OutOfResources; any other RuntimeError (a bug) goes through unchanged."""
+
+    def failing(message):
+        class Failing:
+            arg_names = T.K.KERNELS["prep"].arg_names
+
+            def __getitem__(self, grid):
+                def run(*args, **kwargs):
+                    raise RuntimeError(message)
+
+                return run
+
+        return Failing()
+
+    pq, pk, v, _ = _inputs(True, n=9, d=4, dv=3)
+    kw = dict(log_space=True, causal=True, key_padding_mask=None)
+    monkeypatch.setitem(T.K.KERNELS, "prep", failing("Triton Error [CUDA]: too many resources requested for launch"))
+    with pytest.raises(B.BackendLaunchError, match="kernel prep .*too many resources"):
+        T.feature_attention_triton(pq, pk, v, **kw)
+    monkeypatch.setitem(T.K.KERNELS, "prep", failing("something else"))
+    with pytest.raises(RuntimeError, match="something else") as info:
+        T.feature_attention_triton(pq, pk, v, **kw)
+    assert not isinstance(info.value, B.BackendLaunchError)
+
+
+@interp
 @pytest.mark.parametrize("stage", ["out_fwd", "bwd_dk"], ids=["forward", "backward"])
 def test_auto_falls_back_to_torch_with_one_warning_forced_raises(stage, monkeypatch):
     """backend="auto": a kernel that cannot be launched (forward or backward) leaves the

@@ -220,6 +220,13 @@ def _failure_types() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
+def _resource_error(exc: RuntimeError) -> bool:
+    """A driver error that the launch asked for more than the device has (registers,
+    threads): ``CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES`` as Triton reports it."""
+    text = str(exc).lower()
+    return "too many resources" in text or "out of resources" in text
+
+
 def _quiet_numpy() -> contextlib.AbstractContextManager:
     """Under the interpreter, NumPy's warnings about NaN and infinity arithmetic are off:
     non-finite rows are computed and then dropped, as on the GPU, which does not warn."""
@@ -248,7 +255,9 @@ def _launch(call: _Call, name: str, grid: tuple[int, ...], args: tuple, **conste
             kernel[grid](
                 *args, **meta, num_warps=launch.num_warps, num_stages=launch.num_stages, enable_fp_fusion=FP_FUSION
             )
-    except _failure_types() as exc:
+    except (*_failure_types(), RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and not _resource_error(exc):
+            raise
         raise BackendLaunchError(
             f"backend 'triton': kernel {name} could not be launched for {call.shape} "
             f"(table entry {call.key}: BT={call.cfg.bt}, {launch.describe()}): {type(exc).__name__}: {exc}"
@@ -277,8 +286,8 @@ class _Call:
     poisoned: torch.Tensor | None
     fallback: bool
     family: str | None = None
-    #: row strides of the features, of ``x'`` and of the values: multiples of 16
     dv: int = 0
+    #: row strides of the features, of ``x'`` and of the values: multiples of 16
     ld: int = 0
     le: int = 0
     lv: int = 0

@@ -258,12 +258,12 @@ def measure(
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, dict]:
     """Resources of every unit (from ``cache`` when its key is there), compiled in
-    ``workers`` processes (default: one per CPU)."""
+    ``workers`` processes (default: one per CPU, at most 8: each imports torch and Triton)."""
     cache = {} if cache is None else cache
     todo = [k for k in units if k not in cache]
     results = {k: cache[k] for k in units if k in cache}
     if todo:
-        workers = workers or os.cpu_count() or 1
+        workers = workers or min(8, os.cpu_count() or 1)
         ctx = get_context("spawn")
         with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init) as pool:
             for key, res in zip(todo, pool.map(compile_unit, [units[k] for k in todo])):
