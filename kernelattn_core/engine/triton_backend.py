@@ -380,7 +380,7 @@ def _make_call(
 
 def _outside(call: _Call, n: int, m: int, dv: int) -> str | None:
     """Why a shape cannot run in the kernels (``None``: it can)."""
-    if max(n, m) * max(call.d, call.e, dv) >= _MAX_OFFSET:
+    if max(n, m) * _pad16(max(call.d, call.e, dv)) >= _MAX_OFFSET:
         return f"{call.shape}: a head's rows times their width reach 2^31 (the kernels' offsets are int32)"
     return None
 
@@ -457,7 +457,7 @@ def _rows(call: _Call, qa, qb, ka, kb, v) -> _Rows:  # type: ignore[no-untyped-d
         kd = kbad
     carried = None
     if call.causal:
-        poison = kbad.cummax(-1).values | qbad  # the rows that see a non-finite key or value
+        poison = kbad.to(torch.uint8).cummax(-1).values.bool() | qbad  # the rows that see a non-finite key or value
         carried = kbad.any(-1)  # [B, H]: the outgoing state's flag
         if call.poisoned is not None:
             poison = poison | call.poisoned[..., None]
