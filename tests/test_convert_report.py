@@ -271,10 +271,24 @@ def test_cli_runs_every_stage_and_reports_the_new_columns(tokenizer, tmp_path, c
     args += ["--option", "seed=0", "--window", "2", "--budget", "14", "--fit-texts", str(fit)]
     args += ["--eval-texts", str(held), str(fit), "--max-length", "48", "--steps", "3", "--rows", "8"]
     args += ["--allocate", "20", "--allocate-windows", "2,4", "--allocate-steps", "2", "--e2e-steps", "3"]
-    args += ["--e2e-length", "24,48", "--lora-rank", "1", "--sentences", "12", "--passages", "2", "--format", "json", "--no-progress"]
+    args += [
+        "--e2e-length",
+        "24,48",
+        "--lora-rank",
+        "1",
+        "--sentences",
+        "12",
+        "--passages",
+        "2",
+        "--format",
+        "json",
+        "--no-progress",
+    ]
     assert main(args) == 0
     captured = capsys.readouterr()
-    assert "are in the fitting text" in captured.err  # the second evaluation text is the fitting text
+    # the second evaluation text is the fitting text; the first is held out (no warning)
+    assert f"100.0% of the sentences of --eval-texts {str(fit)!r} are also in the fitting text" in captured.err
+    assert str(held) not in captured.err
     records = json.loads(captured.out)
     layers, summary = records[:-1], records[-1]
     assert [r["window"] for r in layers] == [a["window"] for a in summary["allocation"]]
@@ -289,6 +303,19 @@ def test_cli_runs_every_stage_and_reports_the_new_columns(tokenizer, tmp_path, c
     assert summary["nn_agreement"] == min(e["nn_agreement"] for e in summary["embeddings"])
 
 
+def test_overlap_warning_never_rounds_a_positive_share_to_zero() -> None:
+    from kernelattn_core.cli.convert_cmd import _share
+
+    assert _share(1.0) == "100.0%" and _share(0.004) == "0.4%" and _share(0.0004) == "under 0.1%"
+
+
+def test_summary_takes_the_worst_text_whatever_the_order_of_a_text_without_passages() -> None:
+    from kernelattn_core.cli.convert_cmd import _worst
+
+    assert _worst([math.nan, 0.9, 0.95]) == 0.9 and _worst([0.95, 0.9, math.nan]) == 0.9
+    assert _worst([None, 0.97]) == 0.97 and math.isnan(_worst([math.nan, None]))
+
+
 def test_distill_reports_embeddings_on_the_evaluation_texts(tokenizer) -> None:
     teacher = tiny()
     student = convert_attention(teacher, "sliding-window", window=2, num_features=6, global_tokens=1, seed=0)
@@ -301,3 +328,36 @@ def test_distill_reports_embeddings_on_the_evaluation_texts(tokenizer) -> None:
     assert not report.embeddings[0].buckets[0]["count"] == 0
     with pytest.raises(ka.InputError, match="tokenizer"):
         distill_attention(student, teacher, fit, steps=1, progress=False, eval_texts=["legal"])
+
+
+# ---------------------------------------------------------------------- the speed script (no timing judged here)
+def test_best_time_warms_up_once_and_keeps_the_fastest_call() -> None:
+    from kernelattn_core.convert import speed
+
+    calls = []
+    clock = iter([0.0, 3.0, 10.0, 11.0, 20.0, 22.0])  # three timed calls of 3 s, 1 s and 2 s
+
+    def fn() -> None:
+        calls.append(1)
+
+    real = speed.time.perf_counter
+    speed.time.perf_counter = lambda: next(clock)
+    try:
+        assert speed.best_time(fn, repeats=3) == 1.0
+    finally:
+        speed.time.perf_counter = real
+    assert len(calls) == 4  # one warm-up, three timed
+
+
+def test_attention_timing_rows_and_the_command(capsys) -> None:
+    from kernelattn_core.convert import speed
+
+    rows = speed.time_attention(lengths=(32, 64), heads=2, head_dim=8, repeats=1)
+    assert [r["length"] for r in rows] == [32, 64]
+    for r in rows:
+        assert r["estimator_s"] > 0 and r["sdpa_s"] > 0 and r["eager_s"] > 0
+        assert r["speedup_vs_sdpa"] == pytest.approx(r["sdpa_s"] / r["estimator_s"])
+        assert r["speedup_vs_eager"] == pytest.approx(r["eager_s"] / r["estimator_s"])
+    assert speed.main(["--skip-models", "--lengths", "48", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "speedup_vs_sdpa" in out and "48" in out

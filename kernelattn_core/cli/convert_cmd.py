@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,19 @@ def estimator_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 _SPECIAL_TEXTS = ("shipped", "held-out", "fitting", "legal", "narrative")
+
+
+def _worst(values: Iterable[Any]) -> float:
+    """The smallest of the texts' figures, NaN (a text without passages of that length)
+    skipped whatever its place; NaN when no text has the figure."""
+    found = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    return min(found) if found else math.nan
+
+
+def _share(share: float) -> str:
+    """A share for a warning: never "0%" for a positive share (a few boilerplate sentences
+    of a long text round to 0% at two digits)."""
+    return f"{share:.1%}" if share >= 1e-3 else "under 0.1%"
 
 
 def _one_line(exc: BaseException) -> str:
@@ -349,8 +363,8 @@ def run(args: argparse.Namespace) -> int:
     for name, share in overlaps.items():
         if share > 0:
             sys.stderr.write(
-                f"kernelattn: warning: {share:.0%} of the sentences of --eval-texts {name!r} are in the fitting text: "
-                "its figures are not held out\n"
+                f"kernelattn: warning: {_share(share)} of the sentences of --eval-texts {name!r} are also in the "
+                "fitting text: its figures are not wholly held out\n"
             )
 
     def on_device(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -495,12 +509,12 @@ def run(args: argparse.Namespace) -> int:
         "held_out_overlap": overlaps,
         "max_output_rel_error": max(r["output_rel_error"] for r in records),
         "mean_output_rel_error": sum(r["output_rel_error"] for r in records) / len(records),
-        "passage512_mean": min(f.get("passage512_mean", float("nan")) for f in flats),
-        "passage512_min": min(f.get("passage512_min", float("nan")) for f in flats),
-        "passage128_mean": min(f.get("passage128_mean", float("nan")) for f in flats),
-        "passage128_min": min(f.get("passage128_min", float("nan")) for f in flats),
-        "nn_agreement": min(f["nn_agreement"] for f in flats),
-        "spearman": min(f["spearman"] for f in flats),
+        "passage512_mean": _worst(f.get("passage512_mean") for f in flats),
+        "passage512_min": _worst(f.get("passage512_min") for f in flats),
+        "passage128_mean": _worst(f.get("passage128_mean") for f in flats),
+        "passage128_min": _worst(f.get("passage128_min") for f in flats),
+        "nn_agreement": _worst(f["nn_agreement"] for f in flats),
+        "spearman": _worst(f["spearman"] for f in flats),
         "embedding_cosine": cosine,
         "embeddings": flats,
         "sentences": sum(e.sentences for e in embeddings),
