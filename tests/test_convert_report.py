@@ -189,6 +189,33 @@ def test_end_to_end_lowers_the_validation_loss_and_merges_adapters(tokenizer) ->
     assert all(not isinstance(m, ka.KernelAttention) for m in teacher.modules())
 
 
+def test_nothing_at_a_padded_position_reaches_the_embedding_or_the_end_to_end_loss() -> None:
+    from kernelattn_core.convert.e2e import _loss
+    from kernelattn_core.workloads.minilm import mean_pool
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 5, 4, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    poisoned = hidden.clone()
+    poisoned[0, 3:] = float("nan")
+    assert torch.equal(mean_pool(poisoned, mask), mean_pool(hidden, mask))
+    assert torch.allclose(mean_pool(hidden, mask)[0], hidden[0, :3].mean(0))
+
+    class Fixed(torch.nn.Module):  # a "student" whose hidden states are given, NaN where padded
+        def __init__(self, states: tuple[torch.Tensor, ...]) -> None:
+            super().__init__()
+            self.states = states
+
+        def forward(self, **_: object) -> object:
+            return type("Out", (), {"hidden_states": (None, *self.states)})()
+
+    teacher_states = (hidden + 0.1, hidden - 0.2)
+    batch = {"input_ids": torch.zeros(2, 5, dtype=torch.long), "attention_mask": mask}
+    clean = _loss(Fixed((hidden, hidden)), teacher_states, batch, 1.0, 1.0)
+    dirty = _loss(Fixed((poisoned, poisoned)), teacher_states, batch, 1.0, 1.0)
+    assert torch.isfinite(clean) and float(clean) > 0 and torch.equal(clean, dirty)
+
+
 def test_end_to_end_without_adapters_trains_only_the_estimators(tokenizer) -> None:
     from kernelattn_core.convert.e2e import finetune_end_to_end
 

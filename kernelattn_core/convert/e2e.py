@@ -137,12 +137,14 @@ def _loss(
     from ..workloads.minilm import mean_pool
 
     mask = batch["attention_mask"]
-    keep = mask.to(teacher_hidden[-1].dtype).unsqueeze(-1)  # [B, N, 1]
+    keep = mask.unsqueeze(-1).bool()  # [B, N, 1]
     hidden = _hidden(student, batch)
     total = hidden[-1].new_zeros(())
     if hidden_weight:
+        zero = hidden[-1].new_zeros(())  # where, not a product: nothing at a padded position reaches the loss
         rel = [
-            ((h - t) ** 2 * keep).sum() / ((t**2) * keep).sum().clamp_min(1e-12) for h, t in zip(hidden, teacher_hidden)
+            torch.where(keep, h - t, zero).pow(2).sum() / torch.where(keep, t, zero).pow(2).sum().clamp_min(1e-12)
+            for h, t in zip(hidden, teacher_hidden)
         ]
         total = total + hidden_weight * torch.stack(rel).mean()
     if embedding_weight:

@@ -484,8 +484,10 @@ def minilm_workload(
 def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Sentence embeddings by mean pooling ``hidden [B, N, E]`` over unpadded tokens
     (the pooling all-MiniLM-L6-v2 was trained with)."""
-    weights = attention_mask.to(hidden.dtype).unsqueeze(-1)  # [B, N, 1]
-    return (hidden * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+    keep = attention_mask.unsqueeze(-1).bool()  # [B, N, 1]
+    # where, not a product: a NaN at a padded position (0 * NaN = NaN) never reaches the embedding
+    total = torch.where(keep, hidden, hidden.new_zeros(())).sum(1)
+    return total / keep.sum(1).to(hidden.dtype).clamp_min(1.0)
 
 
 def sentences(text: str, *, min_words: int = 4) -> list[str]:
