@@ -422,3 +422,66 @@ def feature_attention_step(
     dtype = compute_dtype(phi_q.dtype)
     phi_q, phi_k, v = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
     return _causal(phi_q, phi_k, v, log_space, key_padding_mask, chunk_size, state)
+
+
+def absorb_keys(
+    state: CausalState | None,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    log_space: bool,
+    key_padding_mask: torch.Tensor | None = None,
+    drop: torch.Tensor | None = None,
+) -> CausalState:
+    """The causal state after consuming keys without queries: ``state`` (``None``: empty)
+    continued with the key features ``phi_k [B, H, T, D]`` (log-features when
+    ``log_space``) and values ``v [B, H, T, dv]``.
+
+    .. math::
+        c' = \\max\\big(c, \\max_{j, D} l_{k,j}\\big), \\quad
+        S' = e^{c - c'} S + \\sum_j e^{l_{k,j} - c'} v_j^\\top, \\quad
+        z' = e^{c - c'} z + \\sum_j e^{l_{k,j} - c'}
+
+    (plain maps: :math:`S' = S + \\sum_j \\phi_k(k_j) v_j^\\top`, no stabiliser). Padded keys
+    (``key_padding_mask [B, T]``) and the keys ``drop [B, H, T]`` are left out; a key whose
+    features or value are not finite is left out too and sets the ``poisoned`` flag of its
+    head (every later row that sees it is NaN), as the causal engine does. Used by decoding
+    states that hold some keys exactly and hand them to the features later
+    (``sliding-window``'s window).
+    """
+    dtype = compute_dtype(phi_k.dtype)
+    phi_k, v = phi_k.to(dtype), v.to(dtype)
+    b, h, t, d_feat = phi_k.shape
+    dv = v.shape[-1]
+    drop = torch.zeros(b, h, t, dtype=torch.bool, device=phi_k.device) if drop is None else drop
+    if key_padding_mask is not None:
+        drop = drop | key_padding_mask[:, None, :]
+    bad = (_bad_rows(phi_k.detach(), log_space) | _bad_rows(v.detach(), False)) & ~drop  # [B, H, T]
+    drop = drop | bad
+    v = v.masked_fill(drop.unsqueeze(-1), 0.0)
+    poisoned = bad.any(-1)  # [B, H]
+    if state is not None and state.poisoned is not None:
+        poisoned = poisoned | state.poisoned
+    if state is None:
+        kv = phi_k.new_zeros(b, h, d_feat, dv)
+        z = phi_k.new_zeros(b, h, d_feat)
+        m_old = phi_k.new_full((b, h, 1), float("-inf")) if log_space else None
+        length = 0
+    else:
+        kv, z, m_old, length = state.kv.to(dtype), state.z.to(dtype), state.m, state.length
+    if log_space:
+        lk = phi_k.masked_fill(drop.unsqueeze(-1), float("-inf"))
+        top = lk.detach().amax(-1).amax(-1, keepdim=True)  # [B, H, 1]
+        m_new = torch.maximum(m_old, top)  # type: ignore[arg-type]
+        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        restate = torch.where(torch.isfinite(m_old), (m_old - safe).exp(), torch.zeros_like(safe))  # type: ignore[operator]
+        fk = (lk - safe.unsqueeze(-1)).exp()  # [B, H, T, D], dropped keys 0
+        kv = kv * restate.unsqueeze(-1) + fk.transpose(-1, -2) @ v
+        z = z * restate + fk.sum(-2)
+    else:
+        fk = phi_k.masked_fill(drop.unsqueeze(-1), 0.0)
+        kv = kv + fk.transpose(-1, -2) @ v
+        z = z + fk.sum(-2)
+        m_new = None
+    return CausalState(kv, z, m_new, length + t, poisoned)
+
