@@ -484,4 +484,3 @@ def absorb_keys(
         z = z + fk.sum(-2)
         m_new = None
     return CausalState(kv, z, m_new, length + t, poisoned)
-
