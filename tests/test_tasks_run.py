@@ -164,11 +164,19 @@ def test_preset_estimators_are_registered() -> None:
         "kernelattn_hybrid",
     ):
         pytest.importorskip(plugin)
+    from kernelattn_core.tasks.run import parse_spec
+
     reg = get_registry()
     for preset in PRESETS.values():
-        for name in preset.estimators:
+        for spec in preset.estimators:
+            name, options = parse_spec(spec)
             if name != "exact":
-                reg.get(name)
+                cls = reg.get(name).cls
+                if name in ("hedgehog", "sliding-window"):
+                    assert set(options) <= {"init", "feature_map"}, spec
+                else:
+                    assert options == {}, spec  # paper estimators run as users get them
+                assert cls is not None
         assert set(preset.tasks) <= set(TASKS)
 
 
