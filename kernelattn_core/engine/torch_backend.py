@@ -421,7 +421,63 @@ def feature_attention_step(
     """
     dtype = compute_dtype(phi_q.dtype)
     phi_q, phi_k, v = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
+    if phi_q.shape[2] == 1 and state is not None and not torch.is_grad_enabled():
+        return _decode_one(phi_q, phi_k, v, log_space, key_padding_mask, state)
     return _causal(phi_q, phi_k, v, log_space, key_padding_mask, chunk_size, state)
+
+
+def _decode_one(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    log_space: bool,
+    key_padding_mask: torch.Tensor | None,
+    state: CausalState,
+) -> tuple[torch.Tensor, torch.Tensor, CausalState]:
+    """One new position given ``state`` (decoding without autograd): the recurrence itself,
+
+    .. math::
+        c' = \\max(c, \\max_D l_k), \\quad S' = e^{c - c'} S + e^{l_k - c'} v^\\top, \\quad
+        z' = e^{c - c'} z + e^{l_k - c'}, \\quad
+        \\mathrm{num} = \\hat\\phi_q^\\top S', \\quad \\mathrm{den} = \\hat\\phi_q^\\top z',
+
+    with the same quarantine as :func:`prepare_causal` (a padded key leaves the state
+    alone, a non-finite key or value sets ``poisoned``, a non-finite query poisons its
+    row) and none of the chunked core's set-up, which dominates a one-position call."""
+    b, h = phi_q.shape[:2]
+    lq, lk, vv = phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0]  # [B, H, D], [B, H, D], [B, H, dv]
+    pad = torch.zeros(b, h, dtype=torch.bool, device=lq.device)
+    if key_padding_mask is not None:
+        pad = pad | key_padding_mask[:, :1]  # [B, 1] broadcast over heads
+    bad_k = (_bad_rows(lk, log_space) | ~torch.isfinite(vv).all(-1)) & ~pad  # [B, H]
+    bad_q = _bad_rows(lq, log_space)  # [B, H]
+    gone = (pad | bad_k).unsqueeze(-1)  # [B, H, 1]
+    vv = vv.masked_fill(gone, 0.0)
+    kv, z = state.kv.to(lq.dtype), state.z.to(lq.dtype)
+    if log_space:
+        lk = lk.masked_fill(gone, float("-inf"))
+        m_old = state.m if state.m is not None else lq.new_full((b, h, 1), float("-inf"))
+        m_new = torch.maximum(m_old, lk.amax(-1, keepdim=True))  # [B, H, 1]: -inf while no key
+        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        restate = torch.where(torch.isfinite(m_old), (m_old - safe).exp(), torch.zeros_like(safe))
+        fk = (lk - safe).exp()  # [B, H, D], <= 1
+        kv = torch.addcmul(kv * restate.unsqueeze(-1), fk.unsqueeze(-1), vv.unsqueeze(-2))
+        z = torch.addcmul(z * restate, fk, torch.ones_like(fk))
+        fq = query_side(lq.masked_fill(bad_q.unsqueeze(-1), float("-inf")), True)  # [B, H, D]
+    else:
+        fk = lk.masked_fill(gone, 0.0)
+        kv = torch.addcmul(kv, fk.unsqueeze(-1), vv.unsqueeze(-2))
+        z = z + fk
+        m_new = None
+        fq = lq.masked_fill(bad_q.unsqueeze(-1), 0.0)
+    num = (fq.unsqueeze(-2) @ kv).squeeze(-2)  # [B, H, dv]
+    den = (fq * z).sum(-1)  # [B, H]
+    poisoned = bad_k if state.poisoned is None else state.poisoned | bad_k
+    rows = poisoned | bad_q
+    num = num.masked_fill(rows.unsqueeze(-1), float("nan"))
+    den = den.masked_fill(rows, float("nan"))
+    carried = poisoned if (state.poisoned is not None or bool(bad_k.any())) else None
+    return num.unsqueeze(2), den.unsqueeze(2), CausalState(kv, z, m_new, state.length + 1, carried)
 
 
 def absorb_keys(
