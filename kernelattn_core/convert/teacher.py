@@ -5,7 +5,7 @@ ships (:func:`kernelattn_core.workloads.minilm.fitting_text`: English prose and 
 documentation of 22 standard-library modules, about 71,000 bytes) and measures it on the
 held-out text (the documentation of 10 other modules). The model is a
 ``transformers.GPT2LMHeadModel`` (the ``small`` size: 4 layers, width 256, 4 heads of 64,
-3.4 million parameters) over bytes with ``transformers``' byte tokenizer
+3.5 million parameters) over bytes with ``transformers``' byte tokenizer
 (``ByT5Tokenizer``: 3 special tokens, then the 256 byte values), so it needs no
 vocabulary file and reads any text.
 
