@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -15,6 +15,7 @@ from kernelattn_core.lookup import resolve_class
 from kernelattn_core.redraw import RedrawPolicy
 from kernelattn_core.validation import check_key_padding_mask, check_positive_int, check_qkv
 
+from .claims import OPTION_CLAIMS
 from .feature_maps import RFAFeatures, TrigSoftmaxFeatures
 from .gate import Gate, GateState, gated_sums_state
 from .normalizers import SignedRowNormalizer
@@ -54,6 +55,7 @@ class TrigSoftmaxAttention(FeatureMapAttention):
     random: ClassVar[bool] = True
     has_budget: ClassVar[bool] = True
     linear: ClassVar[bool] = True
+    claims: ClassVar[tuple[Any, ...]] = OPTION_CLAIMS["trig-softmax"]
 
     def __init__(
         self,
@@ -120,6 +122,7 @@ class RFAAttention(FeatureMapAttention):
     random: ClassVar[bool] = True
     has_budget: ClassVar[bool] = True
     linear: ClassVar[bool] = True
+    claims: ClassVar[tuple[Any, ...]] = OPTION_CLAIMS["rfa"]
 
     def __init__(
         self,
@@ -243,6 +246,7 @@ class RFAGateAttention(AttentionEstimator):
     random: ClassVar[bool] = True
     has_budget: ClassVar[bool] = True
     linear: ClassVar[bool] = True
+    claims: ClassVar[tuple[Any, ...]] = OPTION_CLAIMS["rfa-gate"]
 
     def __init__(
         self,
