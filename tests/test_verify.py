@@ -181,6 +181,23 @@ def test_at002_budgets_of_spec_1_0_are_filled_in_geometrically() -> None:
         at002_budgets((8, 8))
 
 
+def test_rt001_runtime_identity(reg) -> None:  # type: ignore[no-untyped-def]
+    good, wrong = _results(reg, "identified-prf", "RT001")  # the stated formula, a declared wrong one
+    assert good.verdict == "pass" and good.numbers["max_rel_diff"] == 0.0
+    assert wrong.verdict == "pass" and wrong.numbers["checker_verdict"] == "fail"  # the control is rejected
+
+
+@pytest.mark.parametrize(
+    ("name", "rule"),
+    [("drops-own-key", "EN001"), ("normalizer-sees-future", "EN002"), ("padding-in-normalizer", "EN003")],
+)
+def test_engine_claims_negative_controls(reg, name, rule) -> None:  # type: ignore[no-untyped-def]
+    """en001: the causal diagonal dropped; en002: a normaliser over every key; en003: padded
+    keys counted in the normaliser (details in test_verify_engine.py)."""
+    assert _verdict(reg, name, rule) == "fail"
+    assert _verdict(reg, "consistent-prf", rule) == "pass"
+
+
 def test_implied_claims_from_capability_data(reg) -> None:  # type: ignore[no-untyped-def]
     rules = {c.rule for c in claims_of(reg.get("softmax"))}
     assert {"KN001", "KN002", "KN003", "KN006"} <= rules
