@@ -380,10 +380,10 @@ def check_prefix_invariance(entry: Any, claim: PrefixInvariance, level: str, **i
                 floor = 1e-3 * max(
                     (float(ref_grads[x][:, :, :t].abs().max()) for x in "qkv" if ref_grads[x] is not None), default=0.0
                 )
-                for name in "qkv":
+                for name, leaf in zip("qkv", leaves):
                     g2, g = grads[name], ref_grads[name]
-                    g2 = torch.zeros_like(leaves[0]) if g2 is None else g2
-                    g = torch.zeros_like(leaves[0]) if g is None else g
+                    g2 = torch.zeros_like(leaf) if g2 is None else g2
+                    g = torch.zeros_like(leaf) if g is None else g
                     # later positions get exactly zero gradient (for other finite values; a NaN or
                     # overflowing input's own gradient is its own business), earlier ones are unchanged
                     if label == "other" and not bool((g2[:, :, t:] == 0).all()):
