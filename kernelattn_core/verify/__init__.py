@@ -162,7 +162,8 @@ def expand(claim: Claim, level: str = "quick") -> list[Claim]:
     points = grid if level == "full" else grid[:1]
     base = dict(claim.options or {})
     return [dataclasses.replace(claim, grid=())] + [
-        dataclasses.replace(claim, options={**base, **dict(point)}, grid=()) for point in points
+        dataclasses.replace(claim, options={**base, **dict(point)}, grid=(), point=i + 1)
+        for i, point in enumerate(points)
     ]
 
 

@@ -143,7 +143,7 @@ def exact_pairs(fm: FeatureMap, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
 
 def check_unbiased(cls: type[FeatureMap], claim: UnbiasedKernelEstimate, level: str, **ids: str) -> CheckResult:
     """FM001: per-pair z-scores of the Monte Carlo mean against the exact kernel."""
-    dims = _dims(level, claim.dims, _class_dims(cls))
+    dims = _dims(level, claim.dims, _class_dims(cls), large=not claim.point)  # grid points: declared dims
     redraws = _scaled(level, claim.redraws)
     threshold = z_threshold(len(dims) * claim.pairs)
     worst_z, worst_rel, ok = 0.0, 0.0, True
@@ -211,7 +211,7 @@ def check_positive(cls: type[FeatureMap], claim: PositiveFeatures, level: str, *
     log_space = bool(getattr(cls, "log_space", False))
     redraws = _scaled(level, claim.redraws, quick_floor=10)
     worst, count, bad = math.inf, 0, 0
-    for d in _dims(level, claim.dims, _class_dims(cls)):
+    for d in _dims(level, claim.dims, _class_dims(cls), large=not claim.point):
         fm, _ = make_map_at(cls, d, 64, claim.options, claim.dims)
         g = torch.Generator().manual_seed(SEED + d)
         x = torch.randn(256, d, generator=g, dtype=torch.float64)
