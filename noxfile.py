@@ -10,6 +10,8 @@ under ``plugins/`` as distributions, so tests go through real entry points.
 * ``formal`` — ``kernelattn verify --level full`` and the conformance kit at full level
 * ``bench``  — pytest-benchmark (not default)
 * ``demo``   — installs everything and runs ``kernelattn compare`` (not default)
+* ``tasks``  — the task benchmarks of docs/tasks.rst: ``kernelattn tasks --preset seeds`` and
+  ``--preset zoology``, their tables and figures (not default; about an hour on two cores)
 """
 
 from __future__ import annotations
@@ -95,9 +97,35 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
-def demo(session: nox.Session) -> None:
-    """Install the core (with plots and rich progress) and all plugins, then the compare demo:
-    first rows within a minute, a summary and ``compare.png`` within three (``-- --all``: full sweep)."""
+def tasks(session: nox.Session) -> None:
+    """The task benchmarks (docs/tasks.rst): what a small model learns with each estimator.
+
+    ``-- --preset seeds`` (or ``zoology``) runs one preset only; results, tables and
+    figures go to ``docs/_static/tasks/``."""
     install_all(session, f"{ROOT}[plot,cli]")
+    out = ROOT / "docs" / "_static" / "tasks"
+    presets = [a.split("=", 1)[1] for a in session.posargs if a.startswith("--preset=")] or ["seeds", "zoology"]
+    for preset in presets:
+        session.run(
+            "kernelattn",
+            "tasks",
+            "--preset",
+            preset,
+            "--no-progress",
+            "--output",
+            str(out / f"{preset}.json"),
+            "--plot",
+            str(out / f"{preset}.png"),
+            env={"OMP_NUM_THREADS": "2"},
+        )
+    session.run("python", str(ROOT / "docs" / "tasks_tables.py"), str(out))
+
+
+@nox.session(default=False)
+def demo(session: nox.Session) -> None:
+    """Install the core (with plots, rich progress and the shipped MiniLM) and all plugins, then the
+    compare demo on real attention: first rows within a minute, a summary and ``compare.png`` within
+    three (``-- --all``: the full synthetic sweep)."""
+    install_all(session, f"{ROOT}[plot,cli,hf]")
     session.run("kernelattn", "plugins")
     session.run("kernelattn", "compare", "--plot", "compare.png", "--output", "compare.csv", *session.posargs)

@@ -11,7 +11,8 @@ from torch import nn
 
 from .api import create
 from .errors import InputError
-from .validation import check_positive_int, check_tensor
+from .interfaces.state import StateOwner, check_state, check_state_tensor
+from .validation import check_bool, check_positive_int, check_tensor
 
 
 @dataclass
@@ -31,6 +32,10 @@ class KVCache:
     k: torch.Tensor
     v: torch.Tensor
     key_padding_mask: torch.Tensor | None
+    #: the module's estimator, options, batch, heads and head dimension
+    #: (:class:`~kernelattn_core.interfaces.state.StateOwner`); :meth:`KernelAttention.step`
+    #: refuses a cache of another owner
+    owner: StateOwner | None = None
 
     @property
     def length(self) -> int:
@@ -114,6 +119,9 @@ class KernelAttention(nn.Module):
         super().__init__()
         check_positive_int("embed_dim", embed_dim)
         check_positive_int("num_heads", num_heads)
+        check_bool("causal", causal)
+        check_bool("batch_first", batch_first)
+        check_bool("bias", bias)
         if embed_dim % num_heads:
             raise InputError(f"num_heads: expected a divisor of embed_dim = {embed_dim}, got {num_heads}")
         self.embed_dim, self.num_heads = embed_dim, num_heads
@@ -233,7 +241,8 @@ class KernelAttention(nn.Module):
         """What the estimator of :meth:`forward` gets for the same arguments:
         ``q [B, H, N, d]``, ``k [B, H, M, d]``, ``v [B, H, M, d]``, the boolean
         ``key_padding_mask [B, M]`` and the causal flag (used by fitting)."""
-        if need_weights:
+        if need_weights is not False:
+            check_bool("need_weights", need_weights)
             raise InputError(
                 "need_weights: kernelized attention never forms the attention weights; "
                 "call with need_weights=False (the second output is None)"
@@ -252,9 +261,11 @@ class KernelAttention(nn.Module):
             raise InputError(f"value: expected [B, M] = {list(key.shape[:2])} as key, got {list(value.shape[:2])}")
         if key.shape[0] != b:
             raise InputError(f"key: expected batch size {b} as query, got {key.shape[0]}")
+        if is_causal is not None:  # never read "no" as True: a bool or None only
+            check_bool("is_causal", is_causal, " or None (the module's causal flag)")
         kpm = bool_key_padding_mask(key_padding_mask, b, m)
         mask_causal = causal_from_attn_mask(attn_mask, n, m, b * self.num_heads)
-        causal = self.causal if is_causal is None else bool(is_causal)
+        causal = self.causal if is_causal is None else is_causal
         if attn_mask is not None:
             if is_causal and not mask_causal:
                 raise InputError("is_causal: True was given with an attn_mask that is not the causal mask")
@@ -307,18 +318,26 @@ class KernelAttention(nn.Module):
         if hasattr(self.estimator, "step"):
             out, state = self.estimator.step(q, k, v, state, key_padding_mask=kpm)
             return self._merge(out), state
-        if state is not None and not isinstance(state, KVCache):
-            raise InputError(f"state: expected None or the KVCache of the previous step, got {type(state).__name__}")
+        owner = StateOwner(
+            type(self.estimator).__name__,
+            (("estimator", self.estimator_name), ("num_features", getattr(self.estimator, "num_features", None))),
+            q.shape[0],
+            self.num_heads,
+            (("d", self.head_dim),),
+        )
         if state is not None:
+            _check_cache(state, owner, q.device)
             masks = None
             if kpm is not None or state.key_padding_mask is not None:
                 old = state.key_padding_mask
                 old = torch.zeros(q.shape[0], state.length, dtype=torch.bool, device=q.device) if old is None else old
                 new = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device) if kpm is None else kpm
                 masks = torch.cat([old, new], 1)
-            state = KVCache(torch.cat([state.q, q], 2), torch.cat([state.k, k], 2), torch.cat([state.v, v], 2), masks)
+            state = KVCache(
+                torch.cat([state.q, q], 2), torch.cat([state.k, k], 2), torch.cat([state.v, v], 2), masks, owner
+            )
         else:
-            state = KVCache(q, k, v, kpm)
+            state = KVCache(q, k, v, kpm, owner)
         out = self.estimator(state.q, state.k, state.v, causal=True, key_padding_mask=state.key_padding_mask)
         return self._merge(out[:, :, -q.shape[2] :]), state
 
@@ -327,6 +346,21 @@ class KernelAttention(nn.Module):
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, causal={self.causal}, "
             f"batch_first={self.batch_first}"
         )
+
+
+def _check_cache(state: object, owner: StateOwner, device: torch.device) -> None:
+    """Refuse a key-value cache this module cannot continue, naming ``state``."""
+    check_state(state, KVCache, owner)
+    assert isinstance(state, KVCache)
+    b, h, d = owner.batch, owner.heads, dict(owner.widths)["d"]
+    length = state.k.shape[2] if isinstance(state.k, torch.Tensor) and state.k.dim() == 4 else -1
+    for name in ("q", "k", "v"):
+        check_state_tensor(name, getattr(state, name), (b, h, length, d), device, owner, "[B, H, L, d]")
+    if state.key_padding_mask is not None:
+        mask = state.key_padding_mask
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            raise InputError(f"state: expected key_padding_mask to be None or a bool tensor [B, L], got {mask!r}")
+        check_state_tensor("key_padding_mask", mask, (b, length), device, owner, "[B, L]")
 
 
 # ---------------------------------------------------------------------- masks

@@ -105,6 +105,22 @@ def check_positive_int(name: str, value: object, minimum: int = 1) -> int:
     return value
 
 
+def check_bool(name: str, value: object, alternatives: str = "") -> bool:
+    """Check that ``value`` is a bool (``True`` or ``False``; a string such as ``"no"`` or
+    a number is refused, never read by its truth value)."""
+    if not isinstance(value, bool):
+        raise InputError(f"{name}: expected True or False{alternatives}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def check_seed(name: str, value: object) -> int | None:
+    """Check a seed: an int or ``None`` (a bool, a float such as ``1.5`` or a string is
+    refused, never truncated or parsed)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise InputError(f"{name}: expected an int or None, got {value!r} ({type(value).__name__})")
+    return value
+
+
 def check_choice(name: str, value: object, choices: Sequence[object]) -> object:
     """Check that ``value`` is one of ``choices``."""
     if value not in choices:

@@ -52,8 +52,16 @@ def test_compare_json_records(use_registry, capsys) -> None:  # type: ignore[no-
     argv = ["compare", "--estimators", "exact", "elu", "toy-prf", "--budgets", "16", "256", "--seq-len", "64"]
     assert main([*argv, "--format", "json", "--regime", "all", "--seeds", "0", "1", "2", *FAST]) == 0
     records = json.loads(capsys.readouterr().out)
-    # exact and elu have no budget: one record per regime; toy-prf: one per budget and regime
-    assert len(records) == 3 * (1 + 1 + 2)
+    # the baseline, exact and elu have no budget: one record per regime; toy-prf: one per budget and regime
+    assert len(records) == 4 * (1 + 1 + 1 + 2)
+    regimes = [r["regime"] for r in records if r["estimator"] == "baseline:mean-v"]
+    assert regimes == ["unit", "gauss-0.5", "gauss-1.0", "peaked"]
+    for r in records:
+        base = next(b for b in records if b["estimator"] == "baseline:mean-v" and b["regime"] == r["regime"])
+        assert records.index(base) <= records.index(r)  # the baseline comes first in its workload
+        if r is not base:  # judged against the baseline's error on the same references
+            assert r["mean_v_error"] == pytest.approx(base["attn_rel_error"])
+            assert r["beats_mean_v"] == (r["attn_rel_error"] < base["attn_rel_error"])
     fields = {"estimator", "regime", "budget", "target", "kernel_rel_mse", "attn_rel_error", "attn_rel_error_iqr"}
     for r in records:
         assert fields <= set(r) and r["error"] is None and r["seeds"] == [0, 1, 2]
@@ -94,12 +102,21 @@ def test_compare_csv_file_streamed_table_and_summary(use_registry, capsys, tmp_p
     assert main([*base, "--regime", "unit", "--output", str(out_file), *FAST]) == 0
     captured = capsys.readouterr()
     rows = list(csv.DictReader(io.StringIO(out_file.read_text())))
-    assert [(r["estimator"], r["budget"]) for r in rows] == [("exact", ""), ("toy-prf", "16"), ("toy-prf", "64")]
-    assert float(rows[1]["attn_rel_error"]) > 0 and rows[1]["target"] == "softmax"
+    assert [(r["estimator"], r["budget"]) for r in rows] == [
+        ("baseline:mean-v", ""),
+        ("exact", ""),
+        ("toy-prf", "16"),
+        ("toy-prf", "64"),
+    ]
+    assert float(rows[2]["attn_rel_error"]) > 0 and rows[2]["target"] == "softmax"
     lines = captured.out.splitlines()
     assert lines[0].split()[:3] == ["estimator", "regime", "budget"]  # the streamed table
     assert sum(line.startswith("toy-prf") for line in lines) == 2  # two streamed rows
-    assert sum(line.startswith("unit") and " toy-prf " in line for line in lines) == 2  # best at each budget
+    summary = [line for line in lines if line.startswith("unit")]
+    assert len(summary) == 2  # one entry per budget: toy-prf where it beats the baseline, else none
+    for row, line in zip(rows[2:], summary):
+        assert (" toy-prf " in line) == (row["beats_mean_v"] == "True"), (row, line)
+        assert ("none beats mean-v" in line) == (row["beats_mean_v"] == "False")
     assert "best estimator per budget" in captured.out
     assert "compare [" not in captured.err  # stderr is not a terminal: no progress in logs
 
@@ -109,7 +126,7 @@ def test_compare_csv_to_stdout_is_only_csv(use_registry, capsys) -> None:  # typ
     assert main([*base, "--format", "csv", "--seeds", "0", *FAST]) == 0
     captured = capsys.readouterr()
     rows = list(csv.DictReader(io.StringIO(captured.out)))
-    assert len(rows) == 1 and rows[0]["estimator"] == "toy-prf" and float(rows[0]["attn_rel_error"]) > 0
+    assert [r["estimator"] for r in rows] == ["baseline:mean-v", "toy-prf"] and float(rows[1]["attn_rel_error"]) > 0
     assert "best estimator" in captured.err  # the summary goes to stderr, stdout stays parseable
 
 
@@ -142,8 +159,11 @@ def test_compare_plot_errors_are_clear_and_early(use_registry, capsys, monkeypat
 def test_compare_records_a_failing_estimator_and_goes_on(use_registry, capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["compare", "--estimators", "toy-trig", "--budgets", "16", "--seq-len", "16", "--format", "json",
                  "--seeds", "0", "--regime", "unit", *FAST]) == 0  # fmt: skip
-    (record,) = json.loads(capsys.readouterr().out)
+    baseline, record = json.loads(capsys.readouterr().out)
+    assert baseline["estimator"] == "baseline:mean-v" and baseline["error"] is None
     assert record["error"] is None or "non-finite" in record["error"]
+    if record["error"]:
+        assert record["beats_mean_v"] is None  # a failed row is never judged
 
 
 def test_compare_unknown_estimator_is_a_clear_error(use_registry, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -192,3 +212,64 @@ def test_help_imports_neither_torch_nor_plugins(argv: list[str]) -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert "usage: kernelattn" in result.stdout
     assert "HEAVY ['kernelattn_core']" in result.stdout, result.stdout[-500:]
+
+
+def test_compare_workload_auto_takes_real_attention_when_the_hf_extra_is_installed(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    import kernelattn_core.cli.compare as compare
+
+    calls: list[dict] = []
+
+    def fake_run(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(kwargs)
+        return []
+
+    monkeypatch.setattr(compare, "run_compare", fake_run)
+    monkeypatch.setattr(compare, "minilm_available", lambda: True)
+    assert main(["compare", "--no-progress"]) == 0
+    assert calls[-1]["workload_name"] == "minilm"
+    assert "workload: minilm" in capsys.readouterr().err
+    assert main(["compare", "--no-progress", "--regime", "unit"]) == 0  # a synthetic option: synthetic
+    assert calls[-1]["workload_name"] == "synthetic" and calls[-1]["regimes"] == ["unit"]
+    monkeypatch.setattr(compare, "minilm_available", lambda: False)
+    assert main(["compare", "--no-progress"]) == 0
+    assert calls[-1]["workload_name"] == "synthetic" and calls[-1]["seq_len"] == [256]
+    assert "pip install 'kernelattn-core[hf]'" in capsys.readouterr().err
+
+
+def test_compare_summary_names_a_best_only_among_rows_that_beat_the_baseline() -> None:
+    rows = [
+        {
+            "estimator": "baseline:mean-v",
+            "regime": "r",
+            "seq_len": 8,
+            "budget": None,
+            "target": "softmax",
+            "attn_rel_error": 0.4,
+            "time_ms": 1.0,
+            "error": None,
+        },
+        {
+            "estimator": "a",
+            "regime": "r",
+            "seq_len": 8,
+            "budget": 16,
+            "target": "softmax",
+            "attn_rel_error": 0.5,
+            "beats_mean_v": False,
+            "time_ms": 1.0,
+            "error": None,
+        },
+        {
+            "estimator": "b",
+            "regime": "r",
+            "seq_len": 8,
+            "budget": 64,
+            "target": "softmax",
+            "attn_rel_error": 0.3,
+            "beats_mean_v": True,
+            "time_ms": 1.0,
+            "error": None,
+        },
+    ]
+    best = {r["budget"]: r["best"] for r in summary(rows)}
+    assert best == {16: "none beats mean-v", 64: "b"}

@@ -90,12 +90,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_two_ranks(names: list[str], out_dir: Path) -> list[dict[str, object]]:
+def _run_two_ranks(names: list[str], out_dir: Path, target: object = None) -> list[dict[str, object]]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, port, names, str(out_dir))) for rank in range(2)]
+    work = _worker if target is None else target
+    procs = [ctx.Process(target=work, args=(rank, port, names, str(out_dir))) for rank in range(2)]
     # the ranks unpickle this module's _worker by its name (tests.test_ddp): spawn gives them
     # the parent's sys.path, so the repository root must be on it (an installed, non-editable
     # package does not put it there)
@@ -153,6 +154,77 @@ def test_replicas_draw_identical_features_with_and_without_seed(tmp_path: Path) 
     assert set(r0) == set(r1) == {f"{n} (seed={s})" for n in names for s in SEEDS}
     problems = _divergences(r0, r1)
     assert not problems, "replica divergence:\n" + "\n".join(problems)
+
+
+STATS_NAMES = ("cexp", "hcexp")
+
+
+def _stats_batches(rank: int) -> list[torch.Tensor]:
+    """Three training batches ``[2, 6, 8]`` of rank ``rank`` (each rank its own data)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(2, 6, 8, generator=g, dtype=torch.float64) * (1.0 + rank) for _ in range(3)]
+
+
+def _stats_model(name: str, sync: bool) -> ka.KernelAttention:
+    torch.manual_seed(0)
+    return ka.KernelAttention(8, 2, estimator=name, num_features=8, seed=3, sync=sync).double().train()
+
+
+def _stats_worker(rank: int, port: int, names: list[str], out_dir: str) -> None:
+    """Each rank trains (forward only) on its own batches; records the map's statistics and
+    an eval output on a fixed batch."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    probe = torch.randn(1, 5, 8, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    results: dict[str, object] = {}
+    for name in names:
+        for sync in (True, False):
+            model = _stats_model(name, sync)
+            with torch.no_grad():
+                for x in _stats_batches(rank):
+                    model(x)
+                model.eval()
+                out, _ = model(probe)
+            stats = {k: t.clone() for k, t in model.estimator.feature_map.state_dict().items() if "running" in k}
+            results[f"{name} (sync={sync})"] = (out, stats)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_data_adapted_statistics_are_pooled_over_the_ranks(tmp_path: Path) -> None:
+    """cexp/hcexp running statistics (and so eval outputs) were per rank: two replicas fed
+    different data drifted apart (eval outputs differed by up to 1e-4). With ``sync``
+    (the default) every rank holds the statistics of the pooled batch, the same as one
+    process trained on both ranks' batches; ``sync=False`` keeps them per rank (the
+    negative control: there they differ)."""
+    pytest.importorskip("kernelattn_prf")
+    r0, r1 = _run_two_ranks(list(STATS_NAMES), tmp_path, target=_stats_worker)
+    probe = torch.randn(1, 5, 8, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    for name in STATS_NAMES:
+        (out0, s0), (out1, s1) = r0[f"{name} (sync=True)"], r1[f"{name} (sync=True)"]
+        single = _stats_model(name, sync=True)
+        with torch.no_grad():
+            for a, b in zip(_stats_batches(0), _stats_batches(1)):
+                single(torch.cat([a, b]))  # one process, the pooled batch
+            single.eval()
+            ref, _ = single(probe)
+        ref_stats = {k: t for k, t in single.estimator.feature_map.state_dict().items() if "running" in k}
+        assert s0 and set(s0) == set(ref_stats)
+        for key in s0:
+            torch.testing.assert_close(s0[key], s1[key], rtol=1e-12, atol=1e-12, msg=f"{name}: {key} across ranks")
+            torch.testing.assert_close(s0[key], ref_stats[key], rtol=1e-9, atol=1e-9, msg=f"{name}: {key} vs pooled")
+        torch.testing.assert_close(out0, out1, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(out0, ref, rtol=1e-9, atol=1e-9)
+        (p0, q0), (p1, q1) = r0[f"{name} (sync=False)"], r1[f"{name} (sync=False)"]
+        assert not torch.allclose(p0, p1, atol=1e-6), f"{name}: per-rank statistics should differ (control)"
+        assert any(not torch.allclose(q0[k], q1[k]) for k in q0)
 
 
 def test_divergence_checker_catches_a_difference() -> None:

@@ -10,13 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.backends import Problem, attend_normalized, select_backend
-from ..engine.naive import allowed_pairs, poison_rows, quarantine_non_finite
+from ..engine.naive import allowed_pairs, isolated_pre, isolated_rows, poison_rows, quarantine_non_finite
 from ..engine.torch_backend import CausalState, compute_dtype, feature_attention_step
 from ..errors import InputError
 from ..interfaces.estimator import AttentionEstimator
 from ..interfaces.feature_map import FeatureMap
 from ..interfaces.kernel import Kernel
 from ..interfaces.normalizer import Normalizer
+from ..interfaces.state import StateOwner, check_state, check_state_tensor
 from ..lookup import resolve_class
 from ..redraw import RedrawPolicy
 from ..validation import check_positive_int
@@ -55,7 +56,9 @@ def resolve_kernel(kernel: Kernel | str, options: dict[str, Any]) -> Kernel:
 
 
 def _all_finite(*tensors: torch.Tensor) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    """Whether every entry is finite: one sum per tensor (finite unless an entry is not,
+    or the sum overflows, in which case the entries are checked)."""
+    return all(bool(torch.isfinite(t.detach().sum())) or bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def _weighted_values(w: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
@@ -136,9 +139,10 @@ class ExactAttention(AttentionEstimator):
             k = k.masked_fill(pad, 0.0)
             v32 = v32.masked_fill(pad, 0.0)
         # SDPA forms q k^T + mask and weights @ v: a non-finite later key or value would
-        # reach earlier causal rows (NaN + -inf, 0 * NaN), and a non-finite query row the
-        # keys' gradients of every row; such calls take the reference path
-        if self.backend == "sdpa" and _all_finite(q) and not (causal and not _all_finite(k, v32)):
+        # reach earlier causal rows (NaN + -inf, 0 * NaN), a non-finite query row the keys'
+        # gradients of every row, and a non-finite key its own gradient (NaN, not 0); such
+        # calls take the reference path, which quarantines them
+        if self.backend == "sdpa" and _all_finite(q, k, v32):
             self.last_backend = "sdpa"
             return self._sdpa(q, k, v32, causal, key_padding_mask).to(v.dtype)
         self.last_backend = "naive"
@@ -166,6 +170,10 @@ class ExactAttention(AttentionEstimator):
         some = allowed.any(-1, keepdim=True)  # [B, 1, N, 1]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | ~some, scale=1.0)
         return torch.where(some, out, torch.zeros_like(out))
+
+    def state_family(self) -> str:
+        """``exact(<kernel>)``: exact attention of another kernel is another family."""
+        return f"exact({getattr(self.kernel, 'name', type(self.kernel).__name__)})"
 
     def extra_repr(self) -> str:
         return f"kernel={self.kernel!r}, scale={self.scale}"
@@ -297,25 +305,71 @@ class FeatureMapAttention(AttentionEstimator):
             or training mode alike (no redraw happens between steps).
         """
         q, k, mask = self._step_inputs(q, k, v, key_padding_mask)
-        q, k = self._pre(q, k, mask, True)
         fm = self.feature_map
         if not fm.built:
             self.redraw_policy.initial(fm, q.shape[-1])
+        owner = self.state_owner(q, v)
+        if state is not None:
+            self._check_state(state, owner, q.device)
+        q, k = self._pre(q, k, mask, True)
         fm.prepare(q, k, key_padding_mask=mask, causal=True)
         phi_q, phi_k = fm.raw_features(q, query=True), fm.raw_features(k, query=False)
         self.last_backend = "torch"
         num, den, state = feature_attention_step(
             phi_q, phi_k, v, log_space=fm.log_space, key_padding_mask=mask, state=state, chunk_size=self.chunk_size
         )
-        return self.normalizer.post(self.normalizer.normalize(num, den)).to(v.dtype), state
+        state.owner = owner
+        return self._post(self.normalizer.normalize(num, den)).to(v.dtype), state
+
+    def state_owner(self, q: torch.Tensor, v: torch.Tensor) -> StateOwner:
+        """The :class:`~kernelattn_core.interfaces.state.StateOwner` of the decoding states
+        this estimator makes from ``q [B, H, T, d]`` and ``v [B, H, T, dv]`` (a built map)."""
+        fm = self.feature_map
+        norm = getattr(self.normalizer, "name", type(self.normalizer).__name__)
+        return StateOwner(
+            type(self).__name__,
+            (("feature_map", fm.name), ("num_features", fm.num_features), ("normalizer", norm)),
+            q.shape[0],
+            q.shape[1],
+            (("D", fm.feature_dim), ("dv", v.shape[-1]), ("d", q.shape[-1])),
+        )
+
+    def _check_state(self, state: object, owner: StateOwner, device: torch.device) -> None:
+        """Refuse a state this estimator cannot continue (another owner, or fields of the
+        wrong shape, type or device), naming ``state``."""
+        check_state(state, CausalState, owner)
+        assert isinstance(state, CausalState)
+        b, h = owner.batch, owner.heads
+        widths = dict(owner.widths)
+        d_feat, dv = widths["D"], widths["dv"]
+        check_state_tensor("kv", state.kv, (b, h, d_feat, dv), device, owner, "[B, H, D, dv]")
+        check_state_tensor("z", state.z, (b, h, d_feat), device, owner, "[B, H, D]")
+        if self.feature_map.log_space:
+            check_state_tensor("m", state.m, (b, h, 1), device, owner, "[B, H, 1] (log-space features)")
+        elif state.m is not None:
+            raise InputError(f"state: expected m = None (plain features, {owner.describe()}), got a tensor")
+        if state.poisoned is not None:
+            check_state_tensor("poisoned", state.poisoned, (b, h), device, owner, "[B, H]")
+        if isinstance(state.length, bool) or not isinstance(state.length, int) or state.length < 0:
+            raise InputError(f"state: expected length to be an int >= 0, got {state.length!r}")
 
     def _pre(
         self, q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``normalizer.pre`` with the causal flag when the normaliser declares it."""
-        if "causal" in inspect.signature(self.normalizer.pre).parameters:
-            return self.normalizer.pre(q, k, key_padding_mask=key_padding_mask, causal=causal)
-        return self.normalizer.pre(q, k, key_padding_mask=key_padding_mask)
+        """``normalizer.pre`` with the causal flag when the normaliser declares it; padded
+        keys and non-finite rows never reach it (:func:`~kernelattn_core.engine.naive.isolated_pre`:
+        their gradients are 0, not the transform's :math:`0 \\cdot \\mathrm{NaN}`)."""
+        if type(self.normalizer).pre is Normalizer.pre:
+            return q, k
+        options = {"causal": causal} if "causal" in inspect.signature(self.normalizer.pre).parameters else {}
+        return isolated_pre(self.normalizer.pre, q, k, key_padding_mask, **options)
+
+    def _post(self, out: torch.Tensor) -> torch.Tensor:
+        """``normalizer.post`` (row-wise) that no non-finite row reaches: a NaN row stays
+        NaN, and adds nothing (not NaN) to the gradients of the transform's parameters."""
+        if type(self.normalizer).post is Normalizer.post:
+            return out
+        return isolated_rows(self.normalizer.post, out)
 
     def _attend_scaled(self, q, k, v, root, causal, key_padding_mask):  # type: ignore[no-untyped-def]
         """The factor ``root`` goes to the engine, which applies it group by group, when
@@ -360,4 +414,4 @@ class FeatureMapAttention(AttentionEstimator):
             chunk_size=self.chunk_size,
             scale=root,
         )
-        return self.normalizer.post(out).to(v.dtype)
+        return self._post(out).to(v.dtype)

@@ -10,11 +10,15 @@ project) and the mean cosine of the sentence embeddings to the original's.
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
+from ..errors import InputError, KernelAttnError
 from .output import table, to_json
 
 COLUMNS = ("layer", "name", "output_rel_error", "fit_error_before", "fit_error_after", "fit_seconds")
@@ -94,6 +98,135 @@ def estimator_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+_SPECIAL_TEXTS = ("shipped", "held-out", "fitting")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _check_count(flag: str, value: int | None, minimum: int, *, none_ok: bool = False) -> None:
+    if value is None and none_ok:
+        return
+    if value is None or value < minimum:
+        raise InputError(f"{flag}: expected an integer >= {minimum}, got {value}")
+
+
+def _check_output_path(flag: str, path: str | None) -> None:
+    """A file that can be written: not a folder, in a folder that exists and is writable
+    (checked before any work, not after the whole fit)."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise InputError(f"{flag}: expected a file name, got the folder {path!r}")
+    folder = target.parent if str(target.parent) else Path(".")
+    if not folder.is_dir():
+        raise InputError(f"{flag}: the folder {str(folder)!r} of {path!r} does not exist (create it first)")
+    if not os.access(folder, os.W_OK):
+        raise InputError(f"{flag}: the folder {str(folder)!r} of {path!r} is not writable")
+
+
+def _read_texts(flag: str, source: str) -> str:
+    """The text of ``--fit-texts`` / ``--eval-texts``: a special name, or a UTF-8 file
+    with some text in it."""
+    from ..workloads import minilm
+
+    if source in _SPECIAL_TEXTS:
+        return minilm.read_texts(source)
+    path = Path(source)
+    if not path.is_file():
+        raise InputError(f"{flag}: expected a readable text file or one of {list(_SPECIAL_TEXTS)}, got {source!r}")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"{flag}: {source!r} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}); "
+            "convert it to UTF-8"
+        ) from None
+    except OSError as exc:
+        raise InputError(f"{flag}: cannot read {source!r}: {_one_line(exc)}") from None
+    if not text.strip():
+        raise InputError(f"{flag}: {source!r} holds no text")
+    return text
+
+
+def _check_device(name: str) -> Any:
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        raise InputError(f"--device: expected a torch device such as 'cpu' or 'cuda:0', got {name!r}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device: {name!r} was asked for, but this torch has no CUDA device (use --device cpu)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise InputError(f"--device: {name!r} was asked for, but there are {torch.cuda.device_count()} CUDA devices")
+    try:
+        torch.empty(1, device=device)
+    except Exception as exc:  # another device type this build or machine does not have
+        raise InputError(f"--device: {name!r} is not usable here: {_one_line(exc)}") from None
+    return device
+
+
+def _model_config(model: str) -> tuple[Path, dict[str, Any]]:
+    """The model folder and its ``config.json``, read as a JSON object."""
+    from ..workloads import minilm
+
+    path = minilm.resolve_model_dir(model)
+    config = path / "config.json"
+    try:
+        data = json.loads(config.read_text("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise InputError(f"MODEL_DIR: {str(config)!r} is not a valid JSON file: {_one_line(exc)}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"MODEL_DIR: {str(config)!r} must hold a JSON object, got a {type(data).__name__}")
+    return path, data
+
+
+def validate(args: argparse.Namespace) -> dict[str, Any]:
+    """Every argument of ``convert``, checked before any work (no model is loaded and
+    nothing is fitted before an argument is refused): returns the estimator options, the
+    device, the model folder and both texts. Each refusal is an
+    :class:`~kernelattn_core.errors.InputError` of one line naming the argument."""
+    from ..convert import _check_options
+    from ..module import build_estimator
+
+    options = estimator_options(args)
+    _check_count("--budget", args.budget, 1, none_ok=True)
+    _check_count("--window", args.window, 0, none_ok=True)
+    _check_count("--steps", args.steps, 0)
+    if not math.isfinite(args.lr) or args.lr <= 0:
+        raise InputError(f"--lr: expected a positive finite learning rate, got {args.lr}")
+    _check_count("--rows", args.rows, 1)
+    _check_count("--max-length", args.max_length, 3)
+    _check_count("--fit-sequences", args.fit_sequences, 1, none_ok=True)
+    _check_count("--eval-sequences", args.eval_sequences, 1)
+    _check_count("--sentences", args.sentences, 1)
+    _check_output_path("--output", args.output)
+    _check_output_path("--save", args.save)
+    device = _check_device(args.device)
+    path, config = _model_config(args.model)
+    longest = config.get("max_position_embeddings")
+    if isinstance(longest, int) and args.max_length > longest:
+        raise InputError(f"--max-length: the model takes at most {longest} positions, got {args.max_length}")
+    _check_options(args.estimator, options)
+    heads, width = config.get("num_attention_heads"), config.get("hidden_size")
+    if isinstance(heads, int) and isinstance(width, int) and heads > 0 and width % heads == 0:
+        try:  # the options, as the first converted layer will build them
+            build_estimator(args.estimator, width // heads, heads, options)
+        except TypeError as exc:
+            raise InputError(f"--option: {_one_line(exc)}") from None
+    fit_text = _read_texts("--fit-texts", args.fit_texts)
+    eval_text = _read_texts("--eval-texts", args.eval_texts)
+    from ..workloads import minilm
+
+    if not minilm.sentences(eval_text):
+        raise InputError(f"--eval-texts: {args.eval_texts!r} holds no sentence of four words or more to embed")
+    return {"options": options, "device": device, "model": path, "fit_text": fit_text, "eval_text": eval_text}
+
+
 def run(args: argparse.Namespace) -> int:
     """Convert, fit and report (see the module docstring)."""
     import torch
@@ -101,20 +234,24 @@ def run(args: argparse.Namespace) -> int:
     from ..convert import convert_attention, distill_attention, output_errors
     from ..workloads import minilm
 
+    checked = validate(args)  # every argument, before any work
+    options, device = checked["options"], checked["device"]
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
-    options = estimator_options(args)
     torch.manual_seed(args.seed)
-    teacher, tokenizer = minilm.load_model(args.model, dtype=dtype)
-    teacher = teacher.to(args.device)
+    try:
+        teacher, tokenizer = minilm.load_model(checked["model"], dtype=dtype)
+    except KernelAttnError:
+        raise
+    except Exception as exc:  # a folder transformers cannot read: one line, not its traceback
+        raise InputError(f"MODEL_DIR: cannot load {str(checked['model'])!r}: {_one_line(exc)}") from None
+    teacher = teacher.to(device)
     student = convert_attention(teacher, args.estimator, **options)
 
     def on_device(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(args.device) for k, v in batch.items()}
+        return {k: v.to(device) for k, v in batch.items()}
 
     fit = on_device(
-        minilm.pack(
-            tokenizer, minilm.read_texts(args.fit_texts), max_length=args.max_length, max_sequences=args.fit_sequences
-        )
+        minilm.pack(tokenizer, checked["fit_text"], max_length=args.max_length, max_sequences=args.fit_sequences)
     )
     progress = None if not args.no_progress else False
     report = distill_attention(
@@ -128,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=progress,
     )
-    eval_text = minilm.read_texts(args.eval_texts)
+    eval_text = checked["eval_text"]
     evaluation = on_device(
         minilm.pack(tokenizer, eval_text, max_length=args.max_length, max_sequences=args.eval_sequences)
     )

@@ -23,6 +23,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("kernelattn_core.cli.compare_cmd", "compare estimators on a synthetic or a real (MiniLM) workload"),
     "verify": ("kernelattn_core.cli.verify_cmd", "run the declared claims of installed plugins"),
     "experiment": ("kernelattn_core.cli.experiment_cmd", "run a paper experiment contributed by a plugin"),
+    "tasks": (
+        "kernelattn_core.cli.tasks_cmd",
+        "train a small model with each estimator on generated tasks (MQAR, ListOps, ...)",
+    ),
     "convert": (
         "kernelattn_core.cli.convert_cmd",
         "convert a pretrained model's attention, fit it to the original, report per-layer error",

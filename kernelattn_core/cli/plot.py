@@ -127,8 +127,11 @@ def compare_figure(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
     for ax, regime in zip(axes[0], shown):
         n_max = max(r["seq_len"] for r in records if r["regime"] == regime)
         sel = [r for r in records if r["regime"] == regime and r["seq_len"] == n_max and r["budget"] is not None]
+        # an estimator that never beats the mean-of-values baseline in this panel is greyed
+        losers = {r["estimator"] for r in sel} - {r["estimator"] for r in sel if r.get("beats_mean_v") is not False}
+        panel_styles = {name: ({**st, "color": "0.78"} if name in losers else st) for name, st in styles.items()}
         band = ("attn_rel_error_q1", "attn_rel_error_q3")
-        _lines(ax, sel, group="estimator", x="budget", y="attn_rel_error", band=band, styles=styles)
+        _lines(ax, sel, group="estimator", x="budget", y="attn_rel_error", band=band, styles=panel_styles)
         for r in records:  # estimators without a budget (exact attention aside): a horizontal line
             if (
                 r["regime"] == regime
@@ -137,8 +140,11 @@ def compare_figure(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
                 and r["estimator"] != "exact"
                 and _finite(r["attn_rel_error"])
             ):
-                ax.axhline(r["attn_rel_error"], ls="--", lw=1, color="grey")
-                ax.annotate(r["estimator"], (0.01, r["attn_rel_error"]), xycoords=("axes fraction", "data"), fontsize=7)
+                is_base = r["estimator"] == "baseline:mean-v"
+                color = "black" if is_base else ("0.78" if r.get("beats_mean_v") is False else "grey")
+                ax.axhline(r["attn_rel_error"], ls=":" if is_base else "--", lw=1.4 if is_base else 1, color=color)
+                label = "baseline: mean of V (grey: does not beat it)" if is_base else r["estimator"]
+                ax.annotate(label, (0.01, r["attn_rel_error"]), xycoords=("axes fraction", "data"), fontsize=7)
         ax.set(xscale="log", yscale="log", xlabel="budget (features / samples)", ylabel="relative output error")
         _plain_ticks(ax, [r["budget"] for r in sel])
         ax.set_title(f"{regime}, N = {n_max} (median, quartiles over seeds)", fontsize=9)

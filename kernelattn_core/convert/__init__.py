@@ -21,9 +21,12 @@ from typing import Any
 from torch import nn
 
 from ..errors import InputError
+from ..lookup import resolve
 from ..module import KernelAttention
+from ..validation import check_bool, check_positive_int, check_seed
 from .distill import DistillReport, LayerReport, distill_attention, output_errors
 from .hf import HFKernelSelfAttention, is_hf_self_attention
+from .hf import _num_heads as _hf_heads
 
 __all__ = [
     "DistillReport",
@@ -90,6 +93,8 @@ def convert_attention(
     """
     if not isinstance(model, nn.Module):
         raise InputError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    check_bool("cross_attention", cross_attention)
+    _check_options(estimator, options)
     out = copy.deepcopy(model)
     targets: list[tuple[str, nn.Module]] = []
     for name, module in out.named_modules():
@@ -107,9 +112,10 @@ def convert_attention(
             "or a Hugging Face BERT/RoBERTa/DistilBERT self-attention)"
         )
     for index, (name, module) in enumerate(targets):
+        _check_head_dim(name, module, options)
         layer_options = dict(options)
         if layer_options.get("seed") is not None:
-            layer_options["seed"] = int(layer_options["seed"]) + index
+            layer_options["seed"] = layer_options["seed"] + index
         if isinstance(module, nn.MultiheadAttention):
             new: nn.Module = KernelAttention.from_multihead(module, estimator, **layer_options)
         else:
@@ -120,6 +126,46 @@ def convert_attention(
         if isinstance(module, nn.TransformerEncoder):
             module.use_nested_tensor = False
     return out
+
+
+#: options the converted module sets from the original one (an estimator option of the
+#: same name would contradict it)
+_SET_BY_MODULE = ("num_heads", "embed_dim", "kdim", "vdim", "batch_first", "bias", "device", "dtype")
+
+
+def _check_options(estimator: object, options: dict[str, Any]) -> None:
+    """Refuse, before any work, what the conversion would fail on later or read wrongly."""
+    if not isinstance(estimator, str) or not estimator:
+        raise InputError(f"estimator: expected a registry name (str), got {estimator!r}")
+    resolve(estimator)  # an unknown name is refused here, listing the known ones
+    for key in _SET_BY_MODULE:
+        if key in options:
+            raise InputError(
+                f"{key}: set by each converted module from the original attention (its width, heads, layout, "
+                f"dtype and device), not an estimator option; got {key}={options[key]!r}"
+            )
+    check_seed("seed", options.get("seed"))  # "abc" is no seed, and 1.5 is not truncated to 1
+    if "causal" in options:
+        check_bool("causal", options["causal"])
+    if "head_dim" in options:
+        check_positive_int("head_dim", options["head_dim"])
+
+
+def _check_head_dim(name: str, module: nn.Module, options: dict[str, Any]) -> None:
+    """A ``head_dim`` option must be the module's own (``embed_dim / num_heads``): another
+    one would only fail at the first forward call."""
+    if "head_dim" not in options:
+        return
+    if isinstance(module, nn.MultiheadAttention):
+        actual = module.head_dim
+    else:
+        actual = module.query.out_features if hasattr(module, "query") else module.q_lin.out_features
+        actual //= _hf_heads(module)
+    if options["head_dim"] != actual:
+        raise InputError(
+            f"head_dim: the attention {name!r} has heads of width {actual}, got head_dim={options['head_dim']} "
+            "(leave it out: each converted module sets its own)"
+        )
 
 
 def converted_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

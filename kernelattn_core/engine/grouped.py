@@ -52,7 +52,14 @@ first-order recurrence).
 Feature maps act token by token (a position's features depend on that position's input
 only) and take their trainable tensors from ``parameters()``; both are part of the
 :class:`~kernelattn_core.interfaces.FeatureMap` contract. Padded keys are set to 0 before
-the map, so a padded position's own gradient is exactly 0 whatever it holds.
+the map, so a padded position's own gradient is exactly 0 whatever it holds; a non-finite
+input row never reaches the map either (:meth:`~kernelattn_core.interfaces.FeatureMap.raw_features`
+gives it a NaN row with zero gradient). Non-finite keys and query rows are quarantined in
+both forms: the causal one by :func:`~kernelattn_core.engine.torch_backend.prepare_causal`,
+the non-causal one by :func:`~kernelattn_core.engine.torch_backend.quarantine_keys` (a
+head holding such a key has every row NaN) and a check of each group's denominators (a
+non-finite query row); in the backward pass a row whose output is not finite sends no
+gradient back (its normaliser sees ``num = 0``, ``den = 1`` there).
 """
 
 from __future__ import annotations
@@ -72,7 +79,9 @@ from .torch_backend import (
     compute_dtype,
     feature_attention_torch,
     finish_causal,
+    non_finite_query_rows,
     prepare_causal,
+    quarantine_keys,
     query_side,
 )
 
@@ -153,17 +162,30 @@ class _Call:
         g0: int,
         g1: int,
         norm_params: list[torch.Tensor],
+        bad: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
         """Gradients of ``num`` ``[B, H, G, dv]`` and ``den`` ``[B, H, G]`` on positions
         ``[g0, g1)`` (given, or through the normaliser recomputed on the group's rows under a
-        local graph), and the group's part of the normaliser parameters' gradients."""
+        local graph), and the group's part of the normaliser parameters' gradients.
+
+        The rows ``bad [B, H, G]`` (non-finite outputs) get zero gradients and enter the
+        normaliser as ``num = 0``, ``den = 1``, so its parameters' gradients stay finite."""
         if self.normalizer is None:
             num_bar, den_bar = (g[:, :, g0:g1] for g in out_bar)
+            if bad is not None:
+                num_bar, den_bar = num_bar.masked_fill(bad.unsqueeze(-1), 0.0), den_bar.masked_fill(bad, 0.0)
             return num_bar.to(self.dtype), den_bar.to(self.dtype), []
-        nl, dl = num[:, :, g0:g1].detach().requires_grad_(), den[:, :, g0:g1].detach().requires_grad_()
+        nl, dl, ob = num[:, :, g0:g1].detach(), den[:, :, g0:g1].detach(), out_bar[0][:, :, g0:g1]
+        if bad is not None:
+            nl, dl, ob = (
+                nl.masked_fill(bad.unsqueeze(-1), 0.0),
+                dl.masked_fill(bad, 1.0),
+                ob.masked_fill(bad[..., None], 0),
+            )
+        nl, dl = nl.requires_grad_(), dl.requires_grad_()
         with torch.enable_grad():
             out = self.normalizer.normalize(nl, dl)
-        num_bar, den_bar, *parts = _local_grads((out,), (out_bar[0][:, :, g0:g1],), [nl, dl, *norm_params])
+        num_bar, den_bar, *parts = _local_grads((out,), (ob,), [nl, dl, *norm_params])
         return num_bar.to(self.dtype), den_bar.to(self.dtype), parts  # type: ignore[union-attr]
 
     @contextlib.contextmanager
@@ -312,7 +334,8 @@ class _GroupedCausal(torch.autograd.Function):
             leaves = [_leaf(t, g0, g1, w) for t, w in zip((q, k, v), ctx.needs_input_grad[1:4])]
             with torch.enable_grad(), call.replay(q.device):
                 prep = call.prepare(*leaves, g0, g1, ctx.states[i])
-            num_bar, den_bar, norm_parts = call.num_den_bars(out_bar, num, den, g0, g1, norm_params)
+            bad = _bad_output_rows(num, den, g0, g1)  # NaN rows (poisoned) send no gradient back
+            num_bar, den_bar, norm_parts = call.num_den_bars(out_bar, num, den, g0, g1, norm_params, bad)
             bars.add(call.n_map, norm_parts)
             o_bar = torch.cat([num_bar, den_bar.unsqueeze(-1)], dim=-1)  # [B, H, G, dv + 1]
             if prep.poison is not None:  # NaN rows: masked_fill's gradient there is 0
@@ -345,8 +368,11 @@ class _GroupedNonCausal(torch.autograd.Function):
         s = torch.zeros(b, h, width, dv, dtype=call.dtype, device=q.device)  # sum of phi_k v^T
         z = torch.zeros(b, h, width, 1, dtype=call.dtype, device=q.device)  # sum of phi_k
         c_run = torch.full((b, h, 1, 1), float("-inf"), dtype=call.dtype, device=q.device)
+        poisoned = None  # [B, H]: a head held a non-finite key (every query sees it)
         for g0, g1 in call.spans(k.shape[2]):
-            fk, vg, c_new = _key_group(call, k[:, :, g0:g1], v[:, :, g0:g1], g0, g1, c_run, grow=True)
+            fk, vg, c_new, bad = _key_group(call, k[:, :, g0:g1], v[:, :, g0:g1], g0, g1, c_run, grow=True)
+            if bad is not None:
+                poisoned = bad if poisoned is None else poisoned | bad
             if call.log_space:  # the sums so far, restated at the new maximum (factor <= 1)
                 restate = torch.where(torch.isfinite(c_run), (c_run - _safe(c_new)).exp(), torch.zeros_like(c_run))
                 s.mul_(restate)
@@ -357,7 +383,11 @@ class _GroupedNonCausal(torch.autograd.Function):
         rows = _Rows(call, b, h, n, dv, q.device)
         for g0, g1 in call.spans(n):
             fq = query_side(call.features(q[:, :, g0:g1], True), call.log_space)  # [B, H, G, D]
-            rows.put(g0, g1, fq @ s, (fq @ z).squeeze(-1))
+            num, den = fq @ s, (fq @ z).squeeze(-1)
+            bad = non_finite_query_rows(den, poisoned)  # a non-finite query row, or a poisoned head
+            if bad is not None:  # NaN, as the rows that see a non-finite value are
+                num, den = num.masked_fill(bad.unsqueeze(-1), float("nan")), den.masked_fill(bad, float("nan"))
+            rows.put(g0, g1, num, den)
         ctx.call, ctx.c = call, _safe(c_run)
         ctx.save_for_backward(q, k, v, s, z, *rows.saved, *params)
         return rows.result()
@@ -376,7 +406,10 @@ class _GroupedNonCausal(torch.autograd.Function):
             leaf = _leaf(q, g0, g1, need_q)
             with torch.enable_grad(), call.replay(q.device):
                 fq = query_side(call.features(leaf, True), call.log_space)
-            num_bar, den_bar, norm_parts = call.num_den_bars(out_bar, num, den, g0, g1, norm_params)
+                bad = _bad_output_rows(num, den, g0, g1)  # NaN rows: quarantined as in the forward pass
+                if bad is not None:
+                    fq = fq.masked_fill(bad.unsqueeze(-1), 0.0)
+            num_bar, den_bar, norm_parts = call.num_den_bars(out_bar, num, den, g0, g1, norm_params, bad)
             bars.add(call.n_map, norm_parts)
             den_bar = den_bar.unsqueeze(-1)  # [B, H, G, 1]
             fq_t = fq.detach().transpose(-1, -2)
@@ -391,7 +424,7 @@ class _GroupedNonCausal(torch.autograd.Function):
         for g0, g1 in call.spans(k.shape[2]):  # keys and values
             kl, vl = _leaf(k, g0, g1, need_k), _leaf(v, g0, g1, need_v)
             with torch.enable_grad(), call.replay(q.device):
-                fk, vg, _ = _key_group(call, kl, vl, g0, g1, ctx.c, grow=False)
+                fk, vg, _, _ = _key_group(call, kl, vl, g0, g1, ctx.c, grow=False)
             fk_bar = torch.baddbmm(
                 z_bar.transpose(-1, -2).flatten(0, 1), vg.detach().flatten(0, 1), s_bar.transpose(-1, -2).flatten(0, 1)
             ).view_as(fk)  # v S-bar^T + z-bar^T (every row)
@@ -438,9 +471,12 @@ def _safe(c: torch.Tensor) -> torch.Tensor:
 
 def _key_group(
     call: _Call, k: torch.Tensor, v: torch.Tensor, g0: int, g1: int, c: torch.Tensor, *, grow: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Key features ``[B, H, G, D]`` and values of one key group, padded keys and values 0
-    whatever they hold, and the stabiliser ``c`` ``[B, H, 1, 1]`` they are stated at.
+    whatever they hold, and the stabiliser ``c`` ``[B, H, 1, 1]`` they are stated at; keys
+    whose features or values are not finite are removed too
+    (:func:`~kernelattn_core.engine.torch_backend.quarantine_keys`), and the ``[B, H]`` flag
+    of the heads that held one is returned (``None`` when none did).
 
     In log space the features are :math:`e^{l_k - c}`. With ``grow`` (the forward pass),
     ``c`` is the running maximum and first grows to :math:`\\max(c, \\max l_k)`; without
@@ -453,11 +489,24 @@ def _key_group(
         pad = mask[:, None, :, None]
         v = v.masked_fill(pad, 0.0)
         lk = lk.masked_fill(pad, float("-inf") if call.log_space else 0.0)
+    lk, v, top, bad = quarantine_keys(lk, v, call.log_space)
     if not call.log_space:
-        return lk, v, c
+        return lk, v, c, bad
     if grow:
-        c = torch.maximum(c, lk.detach().amax(dim=(-2, -1), keepdim=True))
-    return (lk - _safe(c)).exp(), v, c
+        c = torch.maximum(c, top.amax(-1)[..., None, None])  # type: ignore[union-attr]
+    return (lk - _safe(c)).exp(), v, c, bad
+
+
+def _bad_output_rows(num: torch.Tensor, den: torch.Tensor, g0: int, g1: int) -> torch.Tensor | None:
+    """``[B, H, G]`` rows ``[g0, g1)`` whose forward output is not finite (quarantined rows
+    set to NaN, or a product that overflowed), or ``None``: they send no gradient back
+    (their gradient would be :math:`0 \\cdot \\mathrm{NaN}`). One reduction decides."""
+    d = den[:, :, g0:g1]
+    n = num[:, :, g0:g1]
+    if bool(torch.isfinite(d.sum() + n.sum())):
+        return None
+    bad = ~(torch.isfinite(d) & torch.isfinite(n).all(-1))
+    return bad if bool(bad.any()) else None
 
 
 def grouped_feature_attention(

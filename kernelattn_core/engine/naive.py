@@ -5,6 +5,9 @@ Every fast path of the engine is tested against these on outputs and gradients.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 
@@ -50,6 +53,63 @@ def quarantine_non_finite(
     v = v.masked_fill(bad_k.unsqueeze(-1), 0.0)
     seen = bad_k.unsqueeze(-2) if allowed is None else allowed & bad_k.unsqueeze(-2)  # [B, H, N|1, M]
     return q, k, v, bad_q | seen.any(-1)
+
+
+def non_finite_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """The rows ``[...]`` of ``x [..., n]`` holding NaN or inf, or ``None`` when every row
+    is finite. One reduction decides (a sum is finite unless some entry is not, or the
+    sum overflows, in which case the rows are checked); the common all-finite case costs
+    one pass over ``x`` and no copy."""
+    if x.numel() == 0 or bool(torch.isfinite(x.detach().sum())):
+        return None
+    bad = ~torch.isfinite(x.detach()).all(-1)
+    return bad if bool(bad.any()) else None
+
+
+def isolated_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for a row-wise ``fn`` (``[..., n]`` to ``[..., n']``, each row from its own
+    row), with every non-finite row of ``x`` replaced by 0 before ``fn`` and its result row
+    set to NaN after.
+
+    The result is NaN where it would have been non-finite anyway, but ``fn``'s backward
+    pass never meets the NaN or inf: the row's gradient is exactly 0 (``fn``'s backward
+    would give :math:`0 \\cdot \\mathrm{NaN}`), and so is its share of the gradient of any
+    parameter ``fn`` holds (a learned feature map, a normaliser's ``post``)."""
+    bad = non_finite_rows(x)
+    if bad is None:
+        return fn(x)
+    bad = bad.unsqueeze(-1)
+    return fn(x.masked_fill(bad, 0.0)).masked_fill(bad, float("nan"))
+
+
+def isolated_pre(
+    pre: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    **options: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pre(q, k, key_padding_mask=..., **options)`` (a normaliser's pre-transform,
+    ``[B, H, N, d]`` and ``[B, H, M, d]``) that no padded or non-finite row reaches:
+    padded keys and non-finite rows enter as 0; non-finite rows leave as NaN rows (the
+    engine then drops the key or poisons the query's row), padded keys as they came out
+    (the engine removes them). Their gradients are exactly 0."""
+    bad_q, bad_k = non_finite_rows(q), non_finite_rows(k)
+    if bad_q is None and bad_k is None and key_padding_mask is None:
+        return pre(q, k, key_padding_mask=key_padding_mask, **options)
+    if bad_q is not None:
+        q = q.masked_fill(bad_q.unsqueeze(-1), 0.0)
+    zero_k = None if key_padding_mask is None else key_padding_mask[:, None, :]  # [B, 1, M]
+    if bad_k is not None:
+        zero_k = bad_k if zero_k is None else zero_k | bad_k
+    if zero_k is not None:
+        k = k.masked_fill(zero_k.unsqueeze(-1), 0.0)
+    q, k = pre(q, k, key_padding_mask=key_padding_mask, **options)
+    if bad_q is not None:
+        q = q.masked_fill(bad_q.unsqueeze(-1), float("nan"))
+    if bad_k is not None:
+        k = k.masked_fill(bad_k.unsqueeze(-1), float("nan"))
+    return q, k
 
 
 def poison_rows(out: torch.Tensor, poison: torch.Tensor | None) -> torch.Tensor:

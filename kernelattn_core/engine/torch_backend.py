@@ -57,7 +57,10 @@ position ``j`` must not touch rows ``t < j`` (a product ``0 * NaN`` inside a chu
 would): one reduction checks that the inputs are finite; when they are not, the
 offending keys are dropped from the products like padding and the rows that
 legitimately see them (``t >= j``, and a row whose own query is non-finite) are set
-to NaN afterwards. Earlier rows keep bit-identical outputs and gradients.
+to NaN afterwards. Earlier rows keep bit-identical outputs and gradients. The non-causal
+form does the same: a non-finite key is seen by every row (all of its head's rows are
+NaN), a non-finite query row by its own row only, and the gradients are those of the
+finite call with those rows removed (zero at the offending positions).
 
 Half-precision inputs are computed in float32 (sums over long sequences overflow
 float16) and the caller casts the output back.
@@ -66,10 +69,12 @@ float16) and the caller casts the output back.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .chunked import DEFAULT_CHUNK, causal_linear_attention
+from .naive import non_finite_rows
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -118,6 +123,8 @@ class CausalState:
 
     poisoned : Tensor ``[B, H]`` of bool, optional
         Set once a non-finite key or value was consumed: every later row is NaN.
+    owner : StateOwner, optional
+        The estimator, options, batch, heads and widths that made it (set by ``step``).
 
     ``kv`` and ``z`` are differentiable: gradients flow through a state passed to the
     next call back into the keys and values that made it.
@@ -130,6 +137,10 @@ class CausalState:
     #: ``[B, H]``: a non-finite key or value the rows may see was consumed (every later
     #: row is NaN, as in exact attention); ``None`` when none was
     poisoned: torch.Tensor | None = None
+    #: who made the state (:class:`~kernelattn_core.interfaces.state.StateOwner`), set by
+    #: an estimator's ``step``, which refuses a state of another owner; ``None`` for a
+    #: state made by the engine's functions directly
+    owner: Any = None
 
 
 def feature_attention_torch(
@@ -166,17 +177,66 @@ def feature_attention_torch(
     fq = query_side(phi_q, log_space)  # [B, H, N, D]
     if pad is not None:  # removed before any product, whatever they hold
         v = v.masked_fill(pad, 0.0)
+    lk = phi_k if pad is None else phi_k.masked_fill(pad, float("-inf") if log_space else 0.0)
+    lk, v, top, poisoned = quarantine_keys(lk, v, log_space)
     if log_space:
-        lk = phi_k if pad is None else phi_k.masked_fill(pad, float("-inf"))
-        c = lk.detach().amax(dim=(-2, -1), keepdim=True)  # [B, H, 1, 1]
+        c = top.amax(-1)[..., None, None]  # [B, H, 1, 1]
         c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))  # all keys padded
         fk = (lk - c).exp_()
     else:
-        fk = phi_k if pad is None else phi_k.masked_fill(pad, 0.0)
+        fk = lk
     s = torch.cat([fk.transpose(-1, -2) @ v, fk.sum(-2).unsqueeze(-1)], dim=-1)  # [B, H, D, dv + 1]
     out = fq @ s  # [B, H, N, dv + 1]: numerator and denominator in one product
+    bad = non_finite_query_rows(out[..., -1], poisoned)
+    if bad is not None:  # quarantined: kept out of the product (and its gradients), NaN afterwards
+        out = (fq.masked_fill(bad.unsqueeze(-1), 0.0) @ s).masked_fill(bad.unsqueeze(-1), float("nan"))
     num, den = out.split([out.shape[-1] - 1, 1], dim=-1)  # one backward (a cat), not two zero-filled slices
     return num, den.squeeze(-1)
+
+
+def quarantine_keys(
+    lk: torch.Tensor, v: torch.Tensor, log_space: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Non-causal key quarantine: keys ``lk [B, H, M, D]`` (log-features in log space,
+    padded ones already ``-inf`` / 0) and values ``v [B, H, M, dv]`` with every key whose
+    features or value are not finite removed like padding (every query sees it: its rows
+    are set to NaN afterwards, by :func:`non_finite_query_rows`), so no
+    :math:`0 \\cdot \\mathrm{NaN}` reaches a gradient.
+
+    Returns ``lk``, ``v``, the row maxima ``[B, H, M]`` of the cleaned log-features (log
+    space; ``None`` otherwise) and the ``[B, H]`` flag of the heads that held such a key
+    (``None`` when none did). In log space the row maxima, needed for the stabiliser
+    anyway, find the keys; plain features and the values cost one reduction each.
+    """
+    top = None
+    if log_space:
+        top = lk.detach().amax(-1)  # [B, H, M]: NaN or +inf exactly on the rows holding one
+        bad = torch.isnan(top) | torch.isposinf(top)
+        bad = bad if bool(bad.any()) else None
+    else:
+        bad = non_finite_rows(lk)
+    bad_v = non_finite_rows(v)
+    if bad_v is not None:
+        bad = bad_v if bad is None else bad | bad_v
+    if bad is None:
+        return lk, v, top, None
+    drop = bad.unsqueeze(-1)
+    lk = lk.masked_fill(drop, float("-inf") if log_space else 0.0)
+    v = v.masked_fill(drop, 0.0)
+    if top is not None:
+        top = top.masked_fill(bad, float("-inf"))
+    return lk, v, top, bad.any(-1)
+
+
+def non_finite_query_rows(den: torch.Tensor, poisoned: torch.Tensor | None) -> torch.Tensor | None:
+    """``[B, H, N]`` rows of a non-causal call to be quarantined, from the denominators
+    ``den [B, H, N]`` of quarantined keys (finite sums, so a non-finite denominator is a
+    non-finite query row, or a product that overflowed) and the heads ``poisoned [B, H]``
+    that held a non-finite key (every row sees it); ``None`` when there is none."""
+    bad = ~torch.isfinite(den.detach())
+    if poisoned is not None:
+        bad = bad | poisoned.unsqueeze(-1)
+    return bad if bool(bad.any()) else None
 
 
 @dataclass
@@ -198,6 +258,9 @@ class CausalInputs:
     m_out : Tensor ``[B, H, 1]`` or None
         The raw prefix maximum after the last position (``-inf`` while no key was seen),
         for the outgoing state.
+    m_raw : Tensor ``[B, H, N]`` or None
+        The raw prefix maximum at every position (``-inf`` before the first key), of which
+        ``m`` fills the leading ``-inf`` (sequence parallelism restates rows with it).
     poison : Tensor ``[B, H, N]`` of bool or None
         Rows that see a non-finite value (set to NaN at the end).
     carried : Tensor ``[B, H]`` of bool or None
@@ -213,6 +276,7 @@ class CausalInputs:
     m_out: torch.Tensor | None
     poison: torch.Tensor | None
     carried: torch.Tensor | None
+    m_raw: torch.Tensor | None = None
 
 
 def prepare_causal(
@@ -263,7 +327,7 @@ def prepare_causal(
     else:
         v = vv
     fq = query_side(phi_q, log_space, top_q)  # [B, H, N, D]
-    m = m0 = m_out = None
+    m = m0 = m_out = m_raw = None
     if log_space:
         lk = phi_k if drop is None else phi_k.masked_fill(drop.unsqueeze(-1), float("-inf"))
         m_raw = lk.detach().amax(-1) if top_k is None else top_k  # [B, H, N]
@@ -288,7 +352,7 @@ def prepare_causal(
         s0 = fq.new_zeros(b, h, d_feat, dv + 1)
     else:
         s0 = torch.cat([state.kv.to(fq.dtype), state.z.to(fq.dtype).unsqueeze(-1)], dim=-1)
-    return CausalInputs(fq, fk, v1, s0, m, m0, m_out, poison, carried)
+    return CausalInputs(fq, fk, v1, s0, m, m0, m_out, poison, carried, m_raw if log_space else None)
 
 
 def finish_causal(

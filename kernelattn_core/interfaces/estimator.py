@@ -11,6 +11,7 @@ from torch import nn
 
 from ..errors import InputError
 from ..validation import check_key_padding_mask, check_qkv, check_scale
+from .state import add_family_marker
 
 
 class AttentionEstimator(nn.Module, ABC):
@@ -83,6 +84,12 @@ class AttentionEstimator(nn.Module, ABC):
         self.scale = check_scale(scale)
         #: name of the backend that ran the last forward call (for reporting)
         self.last_backend: str | None = None
+        add_family_marker(self)  # another family's checkpoint is refused
+
+    def state_family(self) -> str:
+        """The family ``state_dict`` names (``load_state_dict`` refuses another family's
+        checkpoint, naming both): the registry name by default."""
+        return getattr(type(self), "name", type(self).__qualname__)
 
     def forward(
         self,

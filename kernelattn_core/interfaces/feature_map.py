@@ -16,6 +16,7 @@ from ..errors import InputError
 from ..lookup import resolve_class
 from ..validation import check_budget, check_positive_int, check_tensor
 from .kernel import Kernel
+from .state import add_family_marker
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -148,11 +149,18 @@ class FeatureMap(nn.Module, ABC):
         self.head_dim: int | None = None
         # -1 until built; persistent so that a state dict remembers the head dimension
         self.register_buffer("_built_head_dim", torch.tensor(-1, dtype=torch.long))
+        # the state dict names the map, and another map's checkpoint is refused (before the build below)
+        add_family_marker(self)
         self.register_load_state_dict_pre_hook(_build_before_load)
         if head_dim is not None:
             self.build(head_dim, generator=generator)
 
     # ------------------------------------------------------------------ lifecycle
+    def state_family(self) -> str:
+        """The family ``state_dict`` names (``load_state_dict`` refuses another family's
+        checkpoint, naming both): the registry name."""
+        return getattr(type(self), "name", type(self).__qualname__)
+
     @property
     def built(self) -> bool:
         """Whether the head dimension is known and the parameters exist."""
@@ -269,21 +277,39 @@ class FeatureMap(nn.Module, ABC):
     def _log(self, x: torch.Tensor, is_query: bool, arg: str) -> torch.Tensor:
         if not self.log_space:
             raise InputError(f"{self.name!r}: log features are defined only for log-space maps (log_space=True)")
-        return self._features(self._checked(x, arg), is_query)
+        return self._isolated(self._checked(x, arg), is_query)
+
+    def _isolated(
+        self, x: torch.Tensor, is_query: bool, fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """:meth:`_features` (or ``fn``) of checked ``x [..., d]``, a non-finite input row
+        kept away from the map: it is replaced by 0 before the map and its feature row set
+        to NaN after it.
+
+        The feature row is what it would have been (non-finite, so the engine drops the
+        key or poisons the query's row), but the map's own backward pass never sees the
+        NaN or inf: the row's gradient is exactly 0 (:math:`0 \\cdot \\mathrm{NaN}` would
+        make it NaN) and a learned map's parameter gradients stay finite whatever a masked
+        or later position holds. One reduction over ``x`` decides; the map runs once.
+        """
+        from ..engine.naive import isolated_rows
+
+        return isolated_rows(fn or (lambda t: self._features(t, is_query)), x)
 
     def raw_features(self, x: torch.Tensor, *, query: bool) -> torch.Tensor:
         """What the engine consumes: features, or log-features for log-space maps,
-        in float32 for half inputs (``[..., d]`` to ``[..., D]``)."""
-        return self._features(self._checked(x, "q" if query else "k"), query)
+        in float32 for half inputs (``[..., d]`` to ``[..., D]``). A row of ``x`` holding
+        NaN or inf gives a NaN row, with a zero gradient (see :meth:`_isolated`)."""
+        return self._isolated(self._checked(x, "q" if query else "k"), query)
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """:math:`\\phi_q(x)` for ``x [..., d]``, giving ``[..., D]`` in the dtype of ``x``."""
-        f = self._features(self._checked(x, "x"), True)
+        f = self._isolated(self._checked(x, "x"), True)
         return (f.exp() if self.log_space else f).to(x.dtype)
 
     def key(self, x: torch.Tensor) -> torch.Tensor:
         """:math:`\\phi_k(x)` for ``x [..., d]``, giving ``[..., D]`` in the dtype of ``x``."""
-        f = self._features(self._checked(x, "x"), False)
+        f = self._isolated(self._checked(x, "x"), False)
         return (f.exp() if self.log_space else f).to(x.dtype)
 
     def query_log(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from .state import add_family_marker
+
 
 class Normalizer(nn.Module):
     """Pre-transform, row normalisation and post-transform of kernelized attention.
@@ -42,6 +44,13 @@ class Normalizer(nn.Module):
     def __init__(self, eps: float | None = None) -> None:
         super().__init__()
         self.eps = eps
+        # the state dict names the normaliser, and another normaliser's checkpoint is refused
+        add_family_marker(self)
+
+    def state_family(self) -> str:
+        """The family ``state_dict`` names (``load_state_dict`` refuses another family's
+        checkpoint, naming both): the registry name."""
+        return getattr(type(self), "name", type(self).__qualname__)
 
     def pre(
         self,

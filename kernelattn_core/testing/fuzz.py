@@ -10,6 +10,13 @@ patterns:
 ``padding_non_finite``
     Whatever a padded key or value holds (NaN, ``inf``, huge values), every row equals
     the output with other padded contents, with and without ``causal``.
+``gradient_isolation``
+    A NaN, ``inf`` or ``-inf`` at a future position (``causal=True``), at a padded key,
+    or in a query row (its own row only), or later positions a hundred times larger:
+    the rows that do not see it are finite, and so are the gradients of their loss for
+    every other position and every trainable parameter (learned maps, normalisers); the
+    offending position's own gradient is exactly 0, and with ``causal=True`` no later
+    key or value gets any gradient from earlier rows.
 ``normalizer_causal``
     Every feature map with every registered normaliser (each ``stats`` choice
     included) either keeps causal prefix invariance or refuses ``causal=True`` with an
@@ -27,7 +34,7 @@ patterns:
     ``torch.manual_seed``) give identical outputs over several training steps; every
     random estimator accepts ``seed``.
 ``bad_inputs``
-    The catalogue :data:`BAD_INPUTS` (more than 40 kinds): each is answered by an
+    The catalogue :data:`BAD_INPUTS` (52 kinds): each is answered by an
     :class:`~kernelattn_core.errors.InputError` whose message names the argument.
 
 A causal-only estimator (class data ``supports_noncausal = False``) is called with
@@ -269,6 +276,100 @@ def _padding(entry: Entry) -> Callable[[], None]:
         if not _close(out, base, 1e-7):
             gap = float((out - base).abs().max())
             raise _fail(entry.name, prop, f"padded {where} = {bad} (causal={causal}) changed the output by {gap:.3g}")
+
+    return check
+
+
+def _gradient_isolation(entry: Entry) -> Callable[[], None]:
+    hyp = _hypothesis()
+    st = hyp.strategies
+    prop = "gradient_isolation"
+
+    @hyp.settings(deadline=None)
+    @hyp.given(
+        seed=st.integers(0, 2**16),
+        n=st.integers(3, 40),
+        d=st.integers(1, 6),
+        mode=st.sampled_from(("future", "padded", "query_row")),
+        where=st.sampled_from(("q", "k", "v")),
+        bad=st.sampled_from((*NON_FINITE, "huge")),
+        causal=st.booleans(),
+        data=st.data(),
+    )
+    def check(seed: int, n: int, d: int, mode: str, where: str, bad: Any, causal: bool, data: Any) -> None:
+        t = data.draw(st.integers(1, n - 1), label="t")
+        est = make(entry).double().train()
+        if mode == "future":  # the value is at position t, the loss reads rows < t only
+            causal = True
+            if not _supports_causal(est):
+                return
+        else:
+            causal = (causal and _supports_causal(est)) or _causal_only(est)
+        if mode == "padded":
+            where = "k" if where == "q" else where  # a query is never padded
+        if mode == "query_row":
+            where = "q"  # a query row is seen by its own row only
+        q, k, v = _tensors(seed, 1, 2, n, n, d, 3, 0.5, torch.float64)
+        # later rows' own pairs well inside every kernel's domain (see causal_prefix), but not
+        # 0: a map that normalises its input (rfa) has no gradient at 0
+        q[:, :, t:] *= 0.1
+        x = {"q": q, "k": k, "v": v}[where]
+        if bad == "huge":  # finite, a hundred times larger than the others (features may overflow)
+            at = slice(t, None) if mode == "future" else slice(t, t + 1)  # only what the loss does not see
+            x[:, :, at] = 100.0 * (x[:, :, at] + (0.5 if where == "q" else 0.0))
+            what = f"{where}[{t}{':' if mode == 'future' else ''}] x 100"
+        else:
+            x[:, :, t] = bad
+            what = f"{where}[{t}] = {bad}"
+        mask = None
+        rows = torch.ones(n, dtype=torch.bool)
+        if mode == "padded":
+            mask = torch.zeros(1, n, dtype=torch.bool)
+            mask[0, t] = True
+            what = f"padded {what}"
+        elif mode == "future":
+            rows[t:] = False
+        else:
+            rows[t] = False
+        mode_args = {"causal": causal, "key_padding_mask": mask}
+        leaves = [a.requires_grad_() for a in (q, k, v)]
+        params = [p for p in est.parameters() if p.requires_grad]
+        try:
+            est(*leaves, **mode_args)  # a first call builds lazily made parameters
+            params = [p for p in est.parameters() if p.requires_grad]
+            out = est(*leaves, **mode_args)
+        except DomainError:
+            return  # a documented bound (a value outside a kernel's domain)
+        except InputError as exc:
+            if "head_dim" in str(exc):  # a head dimension the class refuses by design
+                hyp.reject()
+            raise _fail(entry.name, prop, f"{what} ({mode}, causal={causal}) raised InputError: {exc}") from exc
+        except Exception as exc:
+            raise _fail(
+                entry.name, prop, f"{what} ({mode}, causal={causal}) raised {type(exc).__name__}: {exc}"
+            ) from exc
+        if not _finite(out[:, :, rows]):
+            raise _fail(entry.name, prop, f"{what} ({mode}, causal={causal}): rows that do not see it are non-finite")
+        grads = torch.autograd.grad(out[:, :, rows].sum(), [*leaves, *params], allow_unused=True)
+        own = torch.zeros(n, dtype=torch.bool)
+        own[t if bad != "huge" or mode != "future" else slice(t, None)] = True
+        for arg, g in zip("qkv", grads[:3]):
+            if g is None:
+                continue
+            if not _finite(g[:, :, ~own]):
+                raise _fail(entry.name, prop, f"{what} ({mode}, causal={causal}): non-finite {arg}.grad elsewhere")
+            own_ok = _finite(g[:, :, own]) if bad == "huge" else bool((g[:, :, own] == 0).all())
+            if arg == where and not own_ok:
+                raise _fail(
+                    entry.name, prop, f"{what} ({mode}, causal={causal}): {arg}.grad at its own position is not 0"
+                )
+            if mode == "future" and arg in "kv" and bool((g[:, :, t:] != 0).any()):
+                raise _fail(entry.name, prop, f"{what} (future): rows < {t} have a {arg}.grad at positions >= {t}")
+        for (name, _), g in zip(
+            [(n_, p_) for n_, p_ in est.named_parameters() if p_.requires_grad], grads[3:], strict=False
+        ):
+            if g is not None and not _finite(g):
+                raise _fail(entry.name, prop, f"{what} ({mode}, causal={causal}): non-finite gradient of {name}")
 
     return check
 
@@ -526,6 +627,8 @@ class BadInput:
     call: Callable[[Any], Any] | None = None  # a bad call of a well-built estimator
     needs: str = ""  # "budget", "random", "feature_map": only classes with that capability
     may_work: bool = False  # a class may also handle it correctly (then it is no bad input for it)
+    #: a bad use of the class through KernelAttention or its state (given the entry)
+    module_call: Callable[[Entry], Any] | None = None
 
 
 def _meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -540,7 +643,60 @@ def _twice(est: Any) -> Any:
     return est(q, k, v, **mode)
 
 
-#: More than 40 kinds of bad input; each must raise InputError naming ``argument``.
+def _module(entry: Entry, **options: Any) -> Any:
+    """:class:`~kernelattn_core.KernelAttention` (width 8, 2 heads) around ``entry``'s class."""
+    from ..module import KernelAttention
+
+    opts: dict[str, Any] = {}
+    if getattr(entry.cls, "has_budget", False) and entry.kind != "kernel":
+        opts["num_features"] = 16
+    if _random(entry) and _accepts(entry, "seed"):
+        opts["seed"] = 0
+    if _causal_only(entry.cls):
+        opts["causal"] = True
+    torch.manual_seed(0)
+    return KernelAttention(8, 2, estimator=entry.name, **{**opts, **options})
+
+
+def _x(batch: int = 2, n: int = 3) -> torch.Tensor:
+    return 0.1 * torch.randn(batch, n, 8, generator=torch.Generator().manual_seed(2))
+
+
+def _is_causal(value: object) -> Callable[[Entry], Any]:
+    return lambda entry: _module(entry)(_x(), is_causal=value)
+
+
+def _foreign_state(kind: str) -> Callable[[Entry], Any]:
+    def run(entry: Entry) -> Any:
+        module = _module(entry)
+        if not _supports_causal(module.estimator):
+            return None  # no decoding: nothing to refuse
+        state: Any = {"kv": 1}
+        if kind == "batch":  # a batch-1 state given to a batch of 2
+            state = module.step(_x(batch=1))[1]
+        return module.step(_x(n=1), state)
+
+    return run
+
+
+def _families(module: Any) -> dict[str, bytes]:
+    return {k: bytes(v.tolist()) for k, v in module.state_dict().items() if k.endswith("_family")}
+
+
+def _other_family(entry: Entry) -> Any:
+    """``load_state_dict`` of another family's checkpoint (``elu``'s, or ``softmax``'s for
+    ``elu`` itself)."""
+    from ..api import create
+
+    est = make(entry)
+    est(*_qkv(), **({"causal": True} if _causal_only(est) else {}))  # builds what is built lazily
+    other = create("elu")
+    if _families(other) == _families(est):
+        other = create("softmax")
+    return est.load_state_dict(other.state_dict())
+
+
+#: 52 kinds of bad input; each must raise InputError naming ``argument``.
 BAD_INPUTS: tuple[BadInput, ...] = (
     BadInput("scale-nan", "scale", {"scale": float("nan")}),
     BadInput("scale-inf", "scale", {"scale": float("inf")}),
@@ -592,6 +748,15 @@ BAD_INPUTS: tuple[BadInput, ...] = (
     BadInput("q-meta-device", "q", call=_call(q=_meta, k=_meta, v=_meta)),
     # a class with d-dependent state (a built map) must refuse a new d; others may just work
     BadInput("head-dim-changes-after-build", "d", call=_twice, may_work=True),
+    # through KernelAttention: flags are bools, never read by their truth value ("no" is not True)
+    BadInput("is-causal-string", "is_causal", module_call=_is_causal("no")),
+    BadInput("is-causal-int", "is_causal", module_call=_is_causal(1)),
+    BadInput("module-causal-string", "causal", module_call=lambda entry: _module(entry, causal="yes")),
+    BadInput("module-batch-first-string", "batch_first", module_call=lambda entry: _module(entry, batch_first="no")),
+    # decoding states know their owner; checkpoints their family
+    BadInput("step-state-not-a-state", "state", module_call=_foreign_state("dict")),
+    BadInput("step-state-of-another-batch", "state", module_call=_foreign_state("batch")),
+    BadInput("load-state-dict-of-another-family", "state_dict", module_call=_other_family),
 )
 
 
@@ -616,6 +781,12 @@ def check_bad_input(entry: Entry, bad: BadInput) -> str | None:
     happened instead (``silent``: no error; ``obscure``: another error or a message
     that does not name the argument)."""
     try:
+        if bad.module_call is not None:
+            with torch.no_grad():
+                out = bad.module_call(entry)
+            if out is None:  # the class has nothing this kind could misuse
+                return None
+            return f"silent: accepted (expected an InputError naming {bad.argument!r})"
         if bad.options is not None:
             est = make(entry, **bad.options)
             if bad.call is None:
@@ -657,6 +828,7 @@ PROPERTIES: dict[str, Callable[[Entry], Callable[[], None]]] = {
     "causal_prefix_finite": lambda e: _causal_prefix(e, non_finite=False),
     "causal_prefix_non_finite": lambda e: _causal_prefix(e, non_finite=True),
     "padding_non_finite": _padding,
+    "gradient_isolation": _gradient_isolation,
     "running_stats": _running_stats,
     "normalizer_causal": _normalizer_causal,
     "finite_at_norm": _finite_at_norm,

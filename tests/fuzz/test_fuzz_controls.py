@@ -53,6 +53,16 @@ class LeaksFuture(ka.AttentionEstimator):
         return ka.ExactAttention(backend="naive")._attend(q, k, v, False, key_padding_mask)
 
 
+class LeaksGradient(ka.AttentionEstimator):
+    """Masks by replacing logits (so a later NaN key gives finite earlier rows) but keeps
+    non-finite rows in the products: the earlier rows' q.grad is 0 * NaN."""
+
+    name: ClassVar[str] = "ctl-leaks-gradient"
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        return _softmax(q, k, v, causal, key_padding_mask, multiply=False)
+
+
 class Overflows(ka.AttentionEstimator):
     name: ClassVar[str] = "ctl-overflows"
 
@@ -129,6 +139,7 @@ class Plugin:
             Correct,
             MultipliesMask,
             LeaksFuture,
+            LeaksGradient,
             Overflows,
             HalfGradientOverflow,
             IgnoresSeed,
@@ -166,6 +177,7 @@ def _outcome(reg: ka.Registry, name: str, prop: str) -> str | None:
         ("ctl-multiplies-mask", "padding_non_finite"),
         ("ctl-multiplies-mask", "causal_prefix_non_finite"),
         ("ctl-leaks-future", "causal_prefix_finite"),
+        ("ctl-leaks-gradient", "gradient_isolation"),
         ("ctl-overflows", "finite_at_norm"),
         ("ctl-half-grad-overflow", "finite_at_norm"),
         ("ctl-ignores-seed", "bad_inputs"),
@@ -190,6 +202,7 @@ def test_a_leaking_normalizer_fails_normalizer_causal_naming_it(controls) -> Non
     "prop",
     [
         "padding_non_finite",
+        "gradient_isolation",
         "causal_prefix_finite",
         "causal_prefix_non_finite",
         "finite_at_norm",

@@ -4,13 +4,16 @@
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, ClassVar
 
 import torch
 
 from kernelattn_core import FeatureMapAttention, Normalizer
+from kernelattn_core.engine.naive import isolated_pre, isolated_rows, non_finite_rows
 from kernelattn_core.errors import InputError
 from kernelattn_core.interfaces import AttentionEstimator
+from kernelattn_core.interfaces.state import StateOwner, check_state, check_state_tensor
 from kernelattn_core.lookup import resolve_class
 from kernelattn_core.redraw import RedrawPolicy
 from kernelattn_core.validation import check_key_padding_mask, check_positive_int, check_qkv
@@ -334,9 +337,32 @@ class RFAGateAttention(AttentionEstimator):
             steps.
         """
         q, k, mask = self._step_inputs(q, k, v, key_padding_mask)
-        if state is not None and not isinstance(state, GateState):
-            raise InputError(f"state: expected None or the GateState of the previous step, got {type(state).__name__}")
-        return self._run(q, k, v, mask, state, redraw=False)
+        if not self.feature_map.built:
+            self.redraw_policy.initial(self.feature_map, q.shape[-1])
+        owner = self.state_owner(q, v)
+        if state is not None:
+            check_state(state, GateState, owner)
+            assert isinstance(state, GateState)
+            d_feat, dv = self.feature_map.feature_dim, v.shape[-1]
+            b, h = q.shape[:2]
+            check_state_tensor("kv", state.kv, (b, h, d_feat, dv + 1), q.device, owner, "[B, H, D, dv + 1]")
+            if state.poisoned is not None:
+                check_state_tensor("poisoned", state.poisoned, (b, h), q.device, owner, "[B, H]")
+        out, state = self._run(q, k, v, mask, state, redraw=False)
+        state.owner = owner
+        return out, state
+
+    def state_owner(self, q: torch.Tensor, v: torch.Tensor) -> StateOwner:
+        """The :class:`~kernelattn_core.interfaces.state.StateOwner` of the decoding states
+        made from ``q [B, H, T, d]`` and ``v [B, H, T, dv]`` (a built map)."""
+        norm = getattr(self.normalizer, "name", type(self.normalizer).__name__)
+        return StateOwner(
+            type(self).__name__,
+            (("num_features", self.num_features), ("normalizer", norm)),
+            q.shape[0],
+            q.shape[1],
+            (("D", self.feature_map.feature_dim), ("dv", v.shape[-1]), ("d", q.shape[-1])),
+        )
 
     def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
         _refuse_noncausal(causal)
@@ -357,10 +383,9 @@ class RFAGateAttention(AttentionEstimator):
         q, k, v = q.to(work), k.to(work), v.to(work)
         if key_padding_mask is not None:  # padded keys never reach the gate or the features
             k = k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
-        if "causal" in inspect.signature(self.normalizer.pre).parameters:
-            q, k = self.normalizer.pre(q, k, key_padding_mask=key_padding_mask, causal=True)
-        else:
-            q, k = self.normalizer.pre(q, k, key_padding_mask=key_padding_mask)
+        if type(self.normalizer).pre is not Normalizer.pre:  # padded and non-finite rows never reach it
+            options = {"causal": True} if "causal" in inspect.signature(self.normalizer.pre).parameters else {}
+            q, k = isolated_pre(self.normalizer.pre, q, k, key_padding_mask, **options)
         fm = self.feature_map
         if not fm.built:
             self.redraw_policy.initial(fm, q.shape[-1])
@@ -368,12 +393,19 @@ class RFAGateAttention(AttentionEstimator):
             self.redraw_policy.before_forward(fm, self.training)
         fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=True)
         phi_q, phi_k = fm.query(q).to(work), fm.key(k).to(work)  # [B, H, N, 2m]
-        log_g = self.gate(k)  # [B, H, N]
+        bad_k = non_finite_rows(k)  # [B, H, N]: the gate never sees them (its parameters' gradients stay finite)
+        if bad_k is None:
+            log_g = self.gate(k)  # [B, H, N]
+        else:  # a non-finite gate: the key is dropped and the rows that see it are NaN
+            log_g = self.gate(k.masked_fill(bad_k[..., None], 0.0)).masked_fill(bad_k, math.nan)
         self.last_backend = "torch"
         num, den, state = gated_sums_state(
             phi_q, phi_k, v, log_g, key_padding_mask=key_padding_mask, chunk_size=self.chunk_size, state=state
         )
-        return self.normalizer.post(self.normalizer.normalize(num, den)).to(out_dtype), state
+        out = self.normalizer.normalize(num, den)
+        if type(self.normalizer).post is not Normalizer.post:
+            out = isolated_rows(self.normalizer.post, out)
+        return out.to(out_dtype), state
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, chunk_size={self.chunk_size}"

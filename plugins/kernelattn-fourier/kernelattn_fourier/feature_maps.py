@@ -305,18 +305,30 @@ class TrigSoftmaxFeatures(_TrigBase):
 
     def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
         u = self._projection(x)  # [..., m]
-        scale = torch.exp(0.5 * (x * x).sum(-1, keepdim=True)) / math.sqrt(self.num_features)  # [..., 1]
-        return torch.cat([u.sin(), u.cos()], dim=-1) * scale  # [..., 2m]
+        half = 0.5 * (x * x).sum(-1, keepdim=True)  # [..., 1]: log of the row factor
+        # a row whose factor e^{|x|^2/2} overflows is a NaN row (the engine drops the key or
+        # poisons the row) with a zero gradient: the exponential never sees its exponent (its
+        # backward would be 0 * inf = NaN), and NaN enters by addition, not through the product
+        over = half > math.log(torch.finfo(x.dtype).max)
+        scale = torch.exp(half.masked_fill(over, 0.0)) / math.sqrt(self.num_features)
+        nan_rows = torch.zeros_like(half).masked_fill_(over, float("nan"))  # [..., 1], no gradient
+        return torch.addcmul(nan_rows, torch.cat([u.sin(), u.cos()], dim=-1), scale)  # [..., 2m]
 
     def raw_features(self, x: torch.Tensor, *, query: bool) -> torch.Tensor:
         """What attention consumes, ``[..., d]`` to ``[..., 2m]``: :math:`\\phi_k(x)` for keys,
         :math:`e^{-\\|x\\|^2/2}\\phi_q(x)` for queries (a positive per-query factor that
-        cancels in attention; see Range in the class notes)."""
+        cancels in attention; see Range in the class notes). A key whose factor
+        :math:`e^{\\|x\\|^2/2}` overflows, or a non-finite row, gives a NaN row with a zero
+        gradient."""
         if not query:
             return super().raw_features(x, query=False)
-        x = self._checked(x, "q")
-        u = self._projection(x)  # [..., m]
-        return torch.cat([u.sin(), u.cos()], dim=-1) / math.sqrt(self.num_features)  # [..., 2m]
+        root = math.sqrt(self.num_features)
+
+        def trig(t: torch.Tensor) -> torch.Tensor:
+            u = self._projection(t)  # [..., m]
+            return torch.cat([u.sin(), u.cos()], dim=-1) / root  # [..., 2m]
+
+        return self._isolated(self._checked(x, "q"), True, trig)
 
     def fused_spec(self) -> FusedFeatureSpec:
         """The ``"trig"`` family: :math:`e^{\\|x\\|^2/2} m^{-1/2} \\cos(x\\omega^\\top + b)` for keys

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -120,11 +121,16 @@ class GateState:
         Positions consumed.
     poisoned : Tensor ``[B, H]`` of bool, optional
         A non-finite key, value or gate was consumed: every later row is NaN.
+    owner : StateOwner, optional
+        The estimator, options, batch, heads and widths that made it (set by
+        :meth:`~kernelattn_fourier.estimators.RFAGateAttention.step`, which refuses a
+        state of another owner).
     """
 
     kv: torch.Tensor
     length: int
     poisoned: torch.Tensor | None = None
+    owner: Any = None
 
 
 def gated_sums(

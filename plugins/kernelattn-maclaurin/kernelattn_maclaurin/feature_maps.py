@@ -434,12 +434,17 @@ class RandomMaclaurinFeatures(FeatureMap):
         """Raise :class:`DomainError` if some :math:`|\\langle q_i, k_j\\rangle| \\ge R_f`; warn
         (:class:`~kernelattn_maclaurin.variance.InfiniteVarianceWarning`) if the estimate's
         variance is infinite on some pair. ``q [..., N, d]``, ``k [..., M, d]``; with
-        ``causal=True`` only the pairs :math:`j \\le i`."""
+        ``causal=True`` only the pairs :math:`j \\le i`. Rows holding NaN or inf are left
+        out (attention quarantines them)."""
         radius = self.target.radius
         if math.isinf(radius) or q.numel() == 0 or k.numel() == 0:
             return
         with torch.no_grad():
             q, k = q.detach().double(), k.detach().double()
+            # a non-finite row is out of no domain: attention quarantines it (the rows that see
+            # it are NaN), so it must not refuse the whole call (a NaN or inf padded token)
+            q = q.masked_fill(~torch.isfinite(q).all(-1, keepdim=True), 0.0)
+            k = k.masked_fill(~torch.isfinite(k).all(-1, keepdim=True), 0.0)
             qn2 = float((q * q).sum(-1).max())
             kn2 = float((k * k).sum(-1).max())
             need_domain = math.sqrt(qn2 * kn2) >= radius

@@ -308,3 +308,22 @@ def test_maclaurin_rmf_causal_domain_check_sees_only_earlier_keys(kernel) -> Non
     torch.testing.assert_close(a[:, :, :5], b[:, :, :5])
     with pytest.raises(DomainError, match="radius"):
         est(q2, far, v)
+
+
+@pytest.mark.parametrize("kernel", ["inv", "logi", "sqrt"])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_non_finite_row_does_not_refuse_the_whole_call(kernel: str, bad: float) -> None:
+    """A NaN or inf row (a padded token's query in self-attention) is quarantined by
+    attention: the domain check leaves it out instead of refusing every row with
+    ``max |<q, k>| = inf`` (issue 25: inv, logi and sqrt refused the call)."""
+    est = ka.create("rmfa", kernel=kernel, num_features=16, seed=0).double()
+    q = 0.1 * torch.rand(1, 2, 6, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    k, v = q.clone(), q.clone()
+    q[0, :, 4] = bad  # positive keys: <q, k> = +inf exactly, no NaN to hide it
+    out = est(q, k, v)
+    assert bool(torch.isnan(out[0, :, 4]).all())
+    rows = [0, 1, 2, 3, 5]
+    assert bool(torch.isfinite(out[0, :, rows]).all())
+    q[0, :, 4] = 100.0  # a finite row out of the domain is still refused
+    with pytest.raises(ka.DomainError, match="radius of convergence"):
+        est(q, k, v)

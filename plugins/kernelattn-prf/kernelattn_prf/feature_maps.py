@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 
 from kernelattn_core import FeatureMap, InputError
 from kernelattn_core.claims import (
@@ -220,6 +221,44 @@ class HyperbolicPositiveRandomFeatures(PositiveRandomFeatures):
     )
 
 
+def _group_size() -> int:
+    """Ranks of the initialised default process group (1 without one)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size()
+
+
+def _synced_moments(x: torch.Tensor, *, full: bool, padding: torch.Tensor | None = None) -> adaptation.Moments:
+    """:func:`~kernelattn_prf.adaptation.moments` of the rows of every rank of the default
+    process group: the count, the sum and the sum of products of the finite, unpadded rows
+    are all-reduced (one collective of :math:`1 + d + d` or :math:`1 + d + d^2` float64
+    numbers), so every rank gets the moments of the pooled batch, as SyncBatchNorm does."""
+    if padding is not None and x.dim() == 4:
+        x = x[~padding[:, None, :].expand(x.shape[:3])]  # [n_valid, d]
+    flat = x.detach().reshape(-1, x.shape[-1]).double()  # [n, d]
+    flat = flat[torch.isfinite(flat).all(-1)]
+    d = flat.shape[-1]
+    products = flat.T @ flat if full else (flat * flat).sum(0)  # [d, d] or [d]
+    packed = torch.cat([flat.new_tensor([float(flat.shape[0])]), flat.sum(0), products.flatten()])
+    if dist.get_backend() == "nccl":
+        packed = packed.to(torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+    packed = packed.to(flat.device)
+    n = round(float(packed[0]))
+    if n == 0:
+        zeros, ones = flat.new_zeros(d), flat.new_ones(d)
+        return adaptation.Moments(zeros, ones, torch.eye(d, dtype=flat.dtype, device=flat.device) if full else None, 0)
+    ddof = 1 if n > 1 else 0
+    mean = packed[1 : 1 + d] / n
+    if full:
+        scatter = packed[1 + d :].view(d, d) - n * torch.outer(mean, mean)  # sum of centred products
+        second = scatter / (n - ddof) + torch.outer(mean, mean)
+        var = torch.diagonal(scatter).clamp_min(0.0) / (n - ddof)
+        return adaptation.Moments(mean, var, second, n)
+    var = (packed[1 + d :] - n * mean * mean).clamp_min(0.0) / (n - ddof)
+    return adaptation.Moments(mean, var, None, n)
+
+
 def _all_finite(*stats: adaptation.Moments) -> bool:
     """Whether every moment of ``stats`` is finite (float64 moments of huge inputs can overflow)."""
     return all(bool(torch.isfinite(t).all()) for m in stats for t in (m.mean, m.var, m.second) if t is not None)
@@ -276,6 +315,14 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
         (causal-safe) and updates them afterwards.
     matrix : float, sequence or Tensor, optional
         :math:`A` for ``rule="fixed"``.
+    sync : bool
+        Inside an initialised :mod:`torch.distributed` process group of several ranks,
+        pool the training statistics over every rank (an all-reduce of their sums, as
+        :class:`torch.nn.SyncBatchNorm` does), so that every data-parallel replica sets
+        the same :math:`A` and keeps the same running estimates (``True``, the default;
+        a collective in every training forward call, so every rank must make it).
+        ``False`` keeps per-rank statistics: replicas then drift apart (their eval
+        outputs differed by up to 1e-4 before this option existed).
 
     Attributes
     ----------
@@ -321,7 +368,9 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
         orthogonal: bool = False,
         norm: str = "chi",
         generator: torch.Generator | None = None,
+        sync: bool = True,
     ) -> None:
+        self.sync = _check_bool("sync", sync)
         if rule not in adaptation.RULES:
             raise InputError(f"rule: expected one of {list(adaptation.RULES)}, got {rule!r}")
         if isinstance(momentum, bool) or not isinstance(momentum, int | float) or not 0 < momentum <= 1:
@@ -509,8 +558,12 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
             self._set_from_running() if tracked else self._set_identity()  # frozen
             return
         full = self.rule == "full"
-        mq = adaptation.moments(q, full=full)
-        mk = adaptation.moments(k, full=full, padding=key_padding_mask)
+        if self.sync and _group_size() > 1:  # every replica: the statistics of the pooled batch
+            mq = _synced_moments(q, full=full)
+            mk = _synced_moments(k, full=full, padding=key_padding_mask)
+        else:
+            mq = adaptation.moments(q, full=full)
+            mk = adaptation.moments(k, full=full, padding=key_padding_mask)
         # a batch with no (finite, unpadded) query or key has no statistics: it neither
         # sets A nor enters the running estimates, which never store a non-finite value
         usable = mq.count > 0 and mk.count > 0 and _all_finite(mq, mk)
@@ -557,7 +610,7 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
         return x @ mat.mT  # row vectors: (M x)^T = x^T M^T
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", rule={self.rule!r}"
+        return super().extra_repr() + f", rule={self.rule!r}, sync={self.sync}"
 
 
 class HyperbolicComplexExponentialFeatures(ComplexExponentialFeatures):

@@ -422,8 +422,10 @@ class RFASNIS(AttentionEstimator):
         self.last_backend = "torch"
         dtype = compute_dtype(q.dtype)
         q, k, v32 = q.to(dtype), k.to(dtype), v.to(dtype)
+        allowed = allowed_pairs(q.shape[2], k.shape[2], False, key_padding_mask, q.device)
+        q, k, v32, poison = quarantine_non_finite(q, k, v32, allowed)  # NaN rows cannot reach other gradients
         omega = fm.omega.to(dtype=dtype, device=q.device)  # [S, d]
-        return fn.rfa_from_samples(q, k, v32, omega, key_padding_mask).to(v.dtype)
+        return poison_rows(fn.rfa_from_samples(q, k, v32, omega, key_padding_mask), poison).to(v.dtype)
 
 
 class LinearRandomizedAttention(AttentionEstimator):
@@ -596,7 +598,15 @@ class LinearRandomizedAttention(AttentionEstimator):
         # a non-finite query leaves every statistic shared by the rows (landmarks, r'):
         # it can only make its own row non-finite
         q_keep = torch.isfinite(q).all(-1)  # [B, H, N]
+        if key_padding_mask is not None and q.shape[-2] == k.shape[-2]:
+            # self-attention: the query at a padded position is padding too, so whatever it
+            # holds shapes no statistic shared by the rows (landmarks, proposals, r')
+            q_keep = q_keep & ~key_padding_mask[:, None, :]
         q_keep = None if bool(q_keep.all()) else q_keep
+        # then non-finite rows are kept out of every product (their gradients would be
+        # 0 * NaN) and the rows that see them set to NaN at the end (every row sees a key)
+        allowed = allowed_pairs(q.shape[2], k.shape[2], False, key_padding_mask, q.device)
+        q, k, v32, poison = quarantine_non_finite(q, k, v32, allowed)
         q_land, k_land, ok = self.landmarks_of(q, k, key_padding_mask, q_keep)
         props = make_proposals(self.proposal, q_land, k_land, k, key_padding_mask, ok)
         if self.training:
@@ -621,7 +631,7 @@ class LinearRandomizedAttention(AttentionEstimator):
             key_padding_mask=key_padding_mask,
             q_keep=q_keep,
         )
-        return out.to(v.dtype)
+        return poison_rows(out, poison).to(v.dtype)
 
     def extra_repr(self) -> str:
         return (

@@ -1,0 +1,115 @@
+"""``kernelattn tasks``: arguments (torch-free, for an instant ``--help``) and the run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from .output import add_output_arguments
+
+TASK_NAMES = ("mqar", "listops", "selective-copy", "induction")  # kept equal to tasks.TASKS by a test
+PRESET_NAMES = ("seeds", "zoology")  # kept equal to tasks.run.PRESETS by a test
+
+DESCRIPTION = """\
+Train the same small Transformer (2 layers, width 64, 2 heads) with each estimator on generated
+tasks and report what it learned: held-out accuracy (mean and std over seeds), steps to 90 % of
+exact attention's accuracy, time per training step and peak memory. Every table has two
+references: exact (softmax attention, the ceiling) and baseline:no-mixing (the same model
+without attention, the floor); learned=no marks an estimator that does not beat the floor.
+
+Tasks (generated in-process from the seed, no downloads):
+  mqar            multi-query associative recall (Zoology): recall the value of each key
+  listops         nested MIN/MAX/MED/SUM-MOD expressions, 10 classes (Long Range Arena)
+  selective-copy  copy the data tokens scattered among noise (Mamba)
+  induction       complete a repeated pattern (induction heads)
+
+By default: --task mqar, budget 64, seed 0, every estimator linear in the sequence length.
+At the quick scale one (task, estimator, budget, seed) takes 10-60 s on two cores; rows
+stream as they finish. Presets:
+  --preset seeds    the five source papers' estimators (+ hedgehog, sliding-window) on every
+                    task, in the layout of their Table 2 (about 30 min at the quick scale)
+  --preset zoology  MQAR against the feature budget 16..256 for prf, hedgehog, elu and
+                    sliding-window, two seeds (Zoology's Fig. 2 at CPU scale)
+"""
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "tasks",
+        help="train a small model with each estimator on generated tasks (MQAR, ListOps, ...)",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--task", action="append", choices=TASK_NAMES, metavar="NAME", help="a task (repeatable)")
+    p.add_argument(
+        "--estimator",
+        action="append",
+        metavar="NAME",
+        help="a registry name or alias, or NAME:key=value,... with options (repeatable; e.g. hedgehog:init=prf)",
+    )
+    p.add_argument("--budget", action="append", type=int, metavar="D", help="budget per query (repeatable; 64)")
+    p.add_argument("--seeds", nargs="+", type=int, metavar="S", help="seeds (default: 0)")
+    p.add_argument("--steps", type=int, metavar="N", help="training steps (default: the task's recipe)")
+    p.add_argument("--scale", choices=("quick", "paper"), default="quick", help="task sizes and recipe (quick)")
+    p.add_argument("--preset", choices=PRESET_NAMES, help="a named selection (see above)")
+    p.add_argument("--quadratic", action="store_true", help="also the estimators quadratic in the length (ra, ...)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (it is off anyway when not a terminal)")
+    add_output_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _positive(name: str, values: list[int] | None) -> None:
+    from ..errors import InputError
+
+    for v in values or ():
+        if v < 1:
+            raise InputError(f"{name}: expected a positive integer, got {v}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import InputError
+
+    _positive("--budget", args.budget)
+    _positive("--steps", [args.steps] if args.steps is not None else None)
+    if args.seeds is not None and any(s < 0 for s in args.seeds):
+        raise InputError(f"--seeds: expected integers >= 0, got {args.seeds}")
+    from ..tasks.figures import check_output_paths, tasks_figure
+    from ..tasks.run import COLUMNS, CSV_COLUMNS, PRESETS, WIDTHS, run_tasks, seeds_columns, seeds_table
+    from .output import RowStream, emit, resolve_format, table
+
+    check_output_paths(args.plot, args.output)  # fail before the work, not after it
+    fmt = resolve_format(args.format, args.output)
+    preset = PRESETS[args.preset] if args.preset else None
+    tasks = args.task or (list(preset.tasks) if preset else None)
+    estimators = args.estimator or (list(preset.estimators) if preset else None)
+    budgets = args.budget or (list(preset.budgets) if preset else [64])
+    seeds = args.seeds if args.seeds is not None else (list(preset.seeds) if preset else [0])
+    to_stdout = not args.output and fmt != "table"
+    stream = None if to_stdout else RowStream(COLUMNS, WIDTHS)
+    records = run_tasks(
+        tasks,
+        estimators,
+        budgets,
+        seeds=seeds,
+        scale=args.scale,
+        steps=args.steps,
+        quadratic=args.quadratic,
+        progress=not args.no_progress,
+        on_record=stream.row if stream is not None else None,
+    )
+    out = sys.stderr if to_stdout else sys.stdout
+    if args.output or to_stdout:
+        emit(records, COLUMNS if fmt == "table" else CSV_COLUMNS, fmt, args.output)
+    if args.preset == "seeds" or len({r["task"] for r in records}) > 1:
+        print("\naccuracy (%) per task and time per step relative to exact attention:", file=out)
+        print(table(seeds_table(records), seeds_columns(records)), file=out)
+    not_learned = [r["estimator"] for r in records if r.get("learned") is False]
+    if not_learned:
+        print(f"\ndid not beat the floor (learned=no): {', '.join(dict.fromkeys(not_learned))}", file=out)
+    failed = [r for r in records if r["error"]]
+    if failed:
+        print(f"{len(failed)} row(s) without a result; see the error column", file=out)
+    if args.plot:
+        print(f"plot written to {tasks_figure(records, args.plot)}", file=out)
+    return 0

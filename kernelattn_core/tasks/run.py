@@ -1,0 +1,447 @@
+"""``run_tasks``: train every chosen estimator on every chosen task and summarise what it learned.
+
+For each task the two references run first, ``exact`` (softmax attention: the ceiling) and
+``baseline:no-mixing`` (the floor: the same model without attention); then every
+estimator at every budget, over the seeds. One record per (task, estimator, budget), in
+the order they finish, with:
+
+* ``accuracy`` / ``accuracy_std``: mean and standard deviation over seeds of the held-out
+  accuracy (``accuracies`` lists them);
+* ``vs_floor``: accuracy minus the floor's; ``learned``: whether it beats the floor by more
+  than :data:`LEARNED_MARGIN` (``"no"`` marks an estimator with which the model did not learn
+  the task at all);
+* ``steps_to_90``: the median over seeds of the first evaluation step at which the accuracy
+  reached 90 % of the ceiling's (``None`` if it never did);
+* ``time_per_step_ms`` (median step, mean over seeds), ``time_vs_exact``, ``peak_mem_mb``
+  (peak tensor memory of one training step) and ``train_s`` (wall time of one run);
+* ``error``: why the row has no result (an estimator that cannot attend the way the task
+  needs, or the exception a run raised).
+
+Budgets: the budget is what each query pays beyond its own key, ``num_features`` for
+feature maps and random-feature estimators (samples for ``ra``/``lara``, landmarks...).
+``sliding-window`` splits it between its exact window and its feature map
+(:func:`budget_options`), so that it is compared at the same total.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import InputError
+from ..registry import get_registry
+from . import get_task
+from .base import Task
+from .model import NO_MIXING
+from .train import TrainConfig, steps_to_fraction, train
+
+#: an estimator "learned" a task when its accuracy beats the floor's by more than this
+LEARNED_MARGIN = 0.05
+#: the fraction of the ceiling's accuracy that ``steps_to_90`` waits for
+CEILING_FRACTION = 0.9
+EXACT = "exact"
+DEFAULT_BUDGETS = (64,)
+
+#: the training recipe of each task at each scale (identical for every estimator of a task)
+RECIPES: dict[tuple[str, str], TrainConfig] = {
+    # chosen with exact attention: MQAR is solved (1.00) by step 200 of 500; induction jumps to
+    # 1.00 near step 400 when the rate stays high long enough (500 steps of decay: 0.17);
+    # ListOps and selective copy keep improving slowly (0.39 and 0.5 at 800 steps)
+    ("mqar", "quick"): TrainConfig(steps=500, batch_size=32, lr=3e-3, eval_every=50),
+    ("listops", "quick"): TrainConfig(steps=800, batch_size=32, lr=1e-3, eval_every=80),
+    ("selective-copy", "quick"): TrainConfig(steps=800, batch_size=32, lr=3e-3, eval_every=80),
+    ("induction", "quick"): TrainConfig(steps=800, batch_size=32, lr=3e-3, eval_every=80),
+    ("mqar", "paper"): TrainConfig(steps=20_000, batch_size=64, lr=1e-3, d_model=128, eval_every=500),
+    ("listops", "paper"): TrainConfig(steps=10_000, batch_size=32, lr=1e-4, d_model=64, eval_every=500),
+    ("selective-copy", "paper"): TrainConfig(steps=20_000, batch_size=32, lr=1e-3, d_model=128, eval_every=500),
+    ("induction", "paper"): TrainConfig(steps=20_000, batch_size=32, lr=1e-3, d_model=128, eval_every=500),
+}
+
+#: table columns (CSV and JSON carry every field)
+COLUMNS = (
+    "task",
+    "estimator",
+    "budget",
+    "accuracy",
+    "accuracy_std",
+    "vs_floor",
+    "learned",
+    "steps_to_90",
+    "time_per_step_ms",
+    "time_vs_exact",
+    "peak_mem_mb",
+    "error",
+)
+CSV_COLUMNS = (
+    *COLUMNS[:-1],
+    "accuracies",
+    "chance",
+    "ceiling",
+    "floor",
+    "first_loss",
+    "last_loss",
+    "train_s",
+    "params",
+    "seeds",
+    "steps",
+    "scale",
+    "options",
+    "error",
+)
+WIDTHS = {"task": 14, "estimator": 20, "accuracy": 8, "error": 10}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named selection for ``kernelattn tasks --preset NAME``."""
+
+    name: str
+    help: str
+    tasks: tuple[str, ...]
+    estimators: tuple[str, ...]
+    budgets: tuple[int, ...] = DEFAULT_BUDGETS
+    seeds: tuple[int, ...] = (0,)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+PRESETS: dict[str, Preset] = {
+    "seeds": Preset(
+        "seeds",
+        "the estimators of the five source papers (+ hedgehog, sliding-window) on every task, as their Table 2",
+        tasks=("listops", "mqar", "selective-copy", "induction"),
+        estimators=(
+            EXACT,
+            "prf",  # Performer (the KL-Transformer's, LARA's and SchoenbAt's baseline)
+            "rfa",  # RFA (SchoenbAt's and Macformer's baseline)
+            "rmfa",  # Macformer / SchoenbAt without ppSBN
+            "schoenbat",  # SchoenbAt (= Macformer): RMFA with ppSBN
+            "gmm-rks",  # KL-Transformer, an RKS variant (its PRF-against-RKS ordering)
+            "gmm-prf",  # KL-Transformer, the PRF variants
+            "fastfood-prf",
+            "generative-prf",
+            "ra",  # randomized attention (quadratic, one sample)
+            "lara",  # linear randomized attention (non-causal only: ListOps)
+            "cexp",  # complex-exponential features
+            "hedgehog:init=prf",  # learned map, trainable from scratch (its default init is for distillation)
+            "sliding-window:init=prf",  # exact window + hedgehog features at the same total budget
+        ),
+        budgets=(64,),
+    ),
+    "zoology": Preset(
+        "zoology",
+        "MQAR accuracy against the budget 16-256 (Zoology's Fig. 2 at CPU scale), two seeds",
+        tasks=("mqar",),
+        estimators=(
+            EXACT,
+            "prf",
+            "hedgehog",
+            "hedgehog:init=prf",
+            "elu",
+            "sliding-window:init=prf",
+            "sliding-window:feature_map=prf",
+        ),
+        budgets=(16, 64, 256),
+        seeds=(0, 1),
+    ),
+}
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"NAME"`` or ``"NAME:key=value,key=value"`` as the registry name and its options.
+
+    Values are Python literals where they parse as one (``init=prf`` is the string
+    ``"prf"``, ``window=8`` the int 8, ``tied=True`` the bool), so one estimator can run in
+    several configurations in one table (``hedgehog`` and ``hedgehog:init=prf``).
+    """
+    import ast
+
+    if not isinstance(spec, str) or not spec.strip():
+        raise InputError(f"estimator: expected NAME or NAME:key=value,..., got {spec!r}")
+    if spec == NO_MIXING:  # the floor's name has a colon of its own
+        return spec, {}
+    name, _, rest = spec.partition(":")
+    options: dict[str, Any] = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip() or not key.strip().isidentifier():
+            raise InputError(f"estimator: expected key=value options after {name}:, got {item!r} in {spec!r}")
+        try:
+            value: Any = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            value = raw.strip()
+        options[key.strip()] = value
+    return name.strip(), options
+
+
+def default_estimators(*, quadratic: bool = False) -> list[str]:
+    """``exact``, then every registered estimator and feature map whose cost is linear in
+    the sequence length (all of them with ``quadratic``); the generic ``feature-map``
+    wrapper is left out (every map runs under its own name)."""
+    reg = get_registry()
+    names = [EXACT]
+    for entry in reg.entries("estimator"):
+        if entry.name in (EXACT, "feature-map"):
+            continue
+        if quadratic or getattr(entry.cls, "linear", True):
+            names.append(entry.name)
+    return names + list(reg.names("feature_map"))
+
+
+def cannot_run(name: str, task: Task) -> str | None:
+    """Why ``name`` (a registry name or spec) cannot attend the way ``task`` needs (``None`` when it can)."""
+    name = parse_spec(name)[0]
+    if name in (EXACT, NO_MIXING):
+        return None
+    cls = get_registry().get(name).cls
+    if task.causal and not getattr(cls, "supports_causal", True):
+        return f"non-causal only: {name} cannot attend causally, and {task.name} is autoregressive"
+    if not task.causal and not getattr(cls, "supports_noncausal", True):
+        return f"causal only: {name} cannot attend bidirectionally, and {task.name} is a classification"
+    return None
+
+
+def has_budget(name: str) -> bool:
+    """Whether ``name`` (a registry name or spec) is swept over the budget.
+
+    Estimators quadratic in the length (``linear = False``: ``ra``, ``ra-biased``) are not:
+    their ``num_features`` is a number of samples per query, each a pass over every key,
+    not a per-query state; they run at their own default (the paper's one sample), and a
+    spec (``ra:num_features=4``) sets another."""
+    name = parse_spec(name)[0]
+    if name in (EXACT, NO_MIXING):
+        return False
+    cls = get_registry().get(name).cls
+    return bool(getattr(cls, "has_budget", False)) and bool(getattr(cls, "linear", True))
+
+
+def budget_options(name: str, budget: int | None, causal: bool) -> dict[str, Any]:
+    """The estimator options that spend ``budget`` per query.
+
+    ``num_features = budget`` for every budgeted estimator except ``sliding-window``, which
+    gets a window of ``budget // 4`` exact keys (causal; non-causal ``budget // 8`` on each
+    side, ``2w + 1`` keys) and the rest as features of its map (rounded down to even,
+    as the two-sided hedgehog map needs): the same total per query as a pure feature map.
+    """
+    name = parse_spec(name)[0]
+    if budget is None or not has_budget(name):
+        return {}
+    if get_registry().get(name).name == "sliding-window":
+        window = max(1, budget // 4) if causal else max(1, budget // 8)
+        exact_keys = window if causal else 2 * window + 1
+        features = max(2, (budget - exact_keys) // 2 * 2)
+        return {"window": window, "num_features": features}
+    return {"num_features": budget}
+
+
+def _summary_stats(values: Sequence[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def run_tasks(
+    tasks: Sequence[str] | None = None,
+    estimators: Sequence[str] | None = None,
+    budgets: Sequence[int] = DEFAULT_BUDGETS,
+    *,
+    seeds: Sequence[int] = (0,),
+    scale: str = "quick",
+    steps: int | None = None,
+    quadratic: bool = False,
+    progress: bool = True,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+    recipe: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Train the task model with each estimator on each task; one record per (task, estimator, budget).
+
+    Parameters
+    ----------
+    tasks : sequence of str, optional
+        Task names (:data:`~kernelattn_core.tasks.TASKS`); ``["mqar"]`` when ``None``.
+    estimators : sequence of str, optional
+        Registry names, or ``NAME:key=value,...`` specs (:func:`parse_spec`) to run an
+        estimator with options; :func:`default_estimators` when ``None``. ``exact`` and the floor
+        are always added (the references of every table).
+    budgets : sequence of int
+        Budgets per query (:func:`budget_options`); estimators without one get one row.
+    seeds : sequence of int
+        Each seed fixes the data, the held-out set and the parameters of one run.
+    scale : {"quick", "paper"}
+        Task sizes and training recipe (:data:`RECIPES`).
+    steps : int, optional
+        Override the recipe's number of steps (every estimator alike).
+    quadratic : bool
+        With the default estimators, add the quadratic ones (``ra``, ``ra-biased``).
+    progress : bool
+        A progress bar on a terminal (see :mod:`kernelattn_core.cli.progress`).
+    on_record : callable, optional
+        Called with each record as soon as it is complete.
+    recipe : dict, optional
+        Further :class:`~kernelattn_core.tasks.train.TrainConfig` overrides (every task).
+
+    Returns
+    -------
+    list of dict
+        The records described in the module docstring.
+    """
+    from ..cli.progress import Progress
+
+    task_names = list(tasks) if tasks else ["mqar"]
+    chosen = [get_task(t) for t in task_names]
+    if scale not in ("quick", "paper"):
+        raise InputError(f"scale: expected 'quick' or 'paper', got {scale!r}")
+    if not seeds:
+        raise InputError("seeds: expected at least one seed, got none")
+    for b in budgets:
+        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+            raise InputError(f"budget: expected positive ints, got {b!r}")
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
+        raise InputError(f"steps: expected a positive int, got {steps!r}")
+    names = list(estimators) if estimators else default_estimators(quadratic=quadratic)
+    reg = get_registry()
+    for name in names:
+        base = parse_spec(name)[0]
+        if base not in (EXACT, NO_MIXING):
+            reg.get(base)  # unknown names fail here, listing the available ones
+    names = [EXACT, NO_MIXING] + [n for n in dict.fromkeys(names) if n not in (EXACT, NO_MIXING)]
+
+    plan: list[tuple[Task, str, int | None, TrainConfig]] = []
+    for task in chosen:
+        config = RECIPES[(task.name, scale)].updated(steps=steps, **(recipe or {}))
+        for name in names:
+            plan += [(task, name, b, config) for b in (budgets if has_budget(name) else [None])]
+    total = sum(c.steps * len(seeds) for t, n, b, c in plan if cannot_run(n, t) is None)
+
+    records: list[dict[str, Any]] = []
+    refs: dict[tuple[str, str], dict[str, Any]] = {}
+    with Progress(total, "tasks", enabled=progress) as bar:
+        for task, name, budget, config in plan:
+            record = _run_row(task, name, budget, config, seeds, scale, bar)
+            done = [record]
+            if name in (EXACT, NO_MIXING):  # both references are related (and shown) once both ran
+                refs[(task.name, name)] = record
+                done = [refs[(task.name, n)] for n in (EXACT, NO_MIXING)] if len(refs_of(refs, task)) == 2 else []
+            for r in done:
+                _relate(r, refs.get((task.name, EXACT)), refs.get((task.name, NO_MIXING)))
+                records.append(r)
+                if on_record is not None:
+                    on_record(r)
+    return records
+
+
+def refs_of(refs: dict[tuple[str, str], dict[str, Any]], task: Task) -> list[dict[str, Any]]:
+    """The reference rows of ``task`` that have run."""
+    return [refs[(task.name, n)] for n in (EXACT, NO_MIXING) if (task.name, n) in refs]
+
+
+def _run_row(
+    task: Task, name: str, budget: int | None, config: TrainConfig, seeds: Sequence[int], scale: str, bar: Any
+) -> dict[str, Any]:
+    base, spec_options = parse_spec(name)
+    options = {**budget_options(base, budget, task.causal), **spec_options}
+    record: dict[str, Any] = {
+        "task": task.name,
+        "estimator": name,
+        "budget": budget,
+        "options": options,
+        "scale": scale,
+        "steps": config.steps,
+        "seeds": list(seeds),
+        "chance": task.chance(task.config(scale)),
+        "accuracy": None,
+        "accuracy_std": None,
+        "accuracies": [],
+        "curves": [],
+        "error": cannot_run(name, task),
+    }
+    if record["error"] is not None:
+        return record
+    results = []
+    for seed in seeds:
+        note = f"{task.name} {name}{'' if budget is None else f' {budget}'} seed {seed}"
+        estimator = "softmax" if base == EXACT else base
+        try:
+            results.append(
+                train(
+                    task,
+                    estimator,
+                    config,
+                    scale=scale,
+                    seed=seed,
+                    options=options,
+                    on_step=lambda _step, note=note: bar.advance(note),
+                )
+            )
+        except Exception as exc:  # a run that fails is a row with its reason, not a crash of the table
+            record["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            return record
+    record["accuracies"] = [r["accuracy"] for r in results]
+    record["accuracy"], record["accuracy_std"] = _summary_stats(record["accuracies"])
+    record["curves"] = [r["curve"] for r in results]
+    for key in ("time_per_step_ms", "peak_mem_mb", "train_s", "first_loss", "last_loss"):
+        record[key] = statistics.fmean(r[key] for r in results)
+    record["params"] = results[0]["params"]
+    return record
+
+
+def _relate(record: dict[str, Any], exact: dict[str, Any] | None, floor: dict[str, Any] | None) -> None:
+    """Fill the columns that compare a row with the task's ceiling and floor."""
+    ceiling = exact.get("accuracy") if exact else None
+    bottom = floor.get("accuracy") if floor else None
+    record["ceiling"], record["floor"] = ceiling, bottom
+    acc = record.get("accuracy")
+    record["vs_floor"] = None if acc is None or bottom is None else acc - bottom
+    if record["estimator"] in (EXACT, NO_MIXING):
+        record["learned"] = None
+    else:
+        record["learned"] = None if record["vs_floor"] is None else record["vs_floor"] > LEARNED_MARGIN
+    steps = None
+    if ceiling is not None and record["curves"]:
+        reached = [steps_to_fraction(c, CEILING_FRACTION * ceiling) for c in record["curves"]]
+        reached_steps = [s for s in reached if s is not None]
+        if len(reached_steps) * 2 > len(reached):  # most seeds got there: the median is a step
+            steps = statistics.median_low([math.inf if s is None else s for s in reached])
+    record["steps_to_90"] = steps
+    base = exact.get("time_per_step_ms") if exact else None
+    mine = record.get("time_per_step_ms")
+    record["time_vs_exact"] = None if not base or mine is None else mine / base
+
+
+def seeds_table(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The papers' Table 2 layout: one row per estimator, one accuracy column per task (%)
+    and its time per step relative to exact attention, plus their averages."""
+    tasks = list(dict.fromkeys(r["task"] for r in records))
+    rows: dict[tuple[str, Any], dict[str, Any]] = {}
+    for r in records:
+        row = rows.setdefault((r["estimator"], r["budget"]), {"estimator": r["estimator"], "budget": r["budget"]})
+        acc = r.get("accuracy")
+        row[f"{r['task']} acc"] = None if acc is None else 100 * acc
+        row[f"{r['task']} time"] = r.get("time_vs_exact")
+    for row in rows.values():
+        accs = [row.get(f"{t} acc") for t in tasks]
+        times = [row.get(f"{t} time") for t in tasks]
+        row["avg acc"] = statistics.fmean(accs) if accs and all(a is not None for a in accs) else None
+        row["avg time"] = statistics.fmean(times) if times and all(t is not None for t in times) else None
+    return list(rows.values())
+
+
+def seeds_columns(records: Sequence[dict[str, Any]]) -> list[str]:
+    tasks = list(dict.fromkeys(r["task"] for r in records))
+    return ["estimator", "budget", *(f"{t} acc" for t in tasks), "avg acc", *(f"{t} time" for t in tasks), "avg time"]
+
+
+__all__ = [
+    "COLUMNS",
+    "CSV_COLUMNS",
+    "PRESETS",
+    "RECIPES",
+    "budget_options",
+    "cannot_run",
+    "default_estimators",
+    "parse_spec",
+    "run_tasks",
+    "seeds_table",
+]

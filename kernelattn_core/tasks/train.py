@@ -1,0 +1,239 @@
+"""Training one model on one task with one estimator, and what it learned.
+
+Every estimator of a task gets the same recipe (:class:`TrainConfig`): the same model
+sizes, the same optimiser (AdamW, :math:`\\beta = (0.9, 0.98)`, weight decay 0.1, gradient
+norm clipped at 1), the same schedule (linear warm-up over the first 10 % of the steps,
+then cosine decay to 0), the same number of steps and the same batches (the training
+stream is seeded by the run's seed alone). The evaluation set is drawn from a separate
+stream (:data:`~kernelattn_core.tasks.base.EVAL_SEED_OFFSET`) and never trained on.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .base import EVAL_SEED_OFFSET, IGNORE, Task, TaskBatch
+from .model import TaskModel
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The training recipe of one task at one scale (identical for every estimator).
+
+    Attributes
+    ----------
+    steps : int
+        Optimiser steps.
+    batch_size : int
+    lr : float
+        Peak learning rate.
+    d_model, num_heads, num_layers : int
+        Model sizes (:class:`~kernelattn_core.tasks.model.TaskModel`).
+    eval_size : int
+        Held-out examples of the final evaluation.
+    eval_every : int
+        Steps between the evaluations of the learning curve (on the first
+        ``curve_size`` held-out examples); the curve gives the steps to 90 % of the ceiling.
+    curve_size : int
+    """
+
+    steps: int = 1000
+    batch_size: int = 32
+    lr: float = 3e-3
+    d_model: int = 64
+    num_heads: int = 2
+    num_layers: int = 2
+    eval_size: int = 512
+    eval_every: int = 100
+    curve_size: int = 128
+
+    def updated(self, **changes: Any) -> TrainConfig:
+        """A copy with ``changes`` applied (``None`` values ignored)."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def lr_factor(step: int, total: int, warmup_fraction: float = 0.1) -> float:
+    """Linear warm-up over ``warmup_fraction`` of the steps, then cosine decay to 0."""
+    warmup = max(1, round(warmup_fraction * total))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def loss_and_hits(model: TaskModel, batch: TaskBatch) -> tuple[torch.Tensor, int, int]:
+    """Cross-entropy over the scored positions (or labels), and the (correct, scored) counts."""
+    if model.kind == "lm":
+        assert batch.targets is not None
+        scored = batch.targets != IGNORE  # [B, N]
+        flat = model(batch.inputs, batch.padding, scored)  # [S, V]
+        target = batch.targets[scored]  # [S]
+    else:
+        assert batch.labels is not None
+        flat, target = model(batch.inputs, batch.padding), batch.labels
+    loss = F.cross_entropy(flat, target)
+    hits = int((flat.detach().argmax(-1) == target).sum())
+    return loss, hits, int(target.numel())
+
+
+@torch.no_grad()
+def accuracy(model: TaskModel, batches: list[TaskBatch]) -> float:
+    """Accuracy over every scored position (or label) of ``batches``, in eval mode."""
+    was = model.training
+    model.eval()
+    hits = total = 0
+    for b in batches:
+        _, h, t = loss_and_hits(model, b)
+        hits, total = hits + h, total + t
+    model.train(was)
+    return hits / max(total, 1)
+
+
+def eval_batches(task: Task, scale: str, seed: int, size: int, batch_size: int) -> list[TaskBatch]:
+    """The held-out set: ``size`` examples from the evaluation stream of ``seed``."""
+    g = torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET)
+    out, left = [], size
+    while left > 0:
+        n = min(batch_size, left)
+        out.append(task.batch(n, scale=scale, generator=g))
+        left -= n
+    return out
+
+
+def build_model(
+    task: Task, estimator: str, config: TrainConfig, scale: str, seed: int, options: dict[str, Any]
+) -> TaskModel:
+    """The task's model with ``estimator``, parameters drawn from ``torch.manual_seed(seed)``."""
+    tc = task.config(scale)
+    torch.manual_seed(seed)
+    return TaskModel(
+        tc.vocab_size,
+        tc.seq_len,
+        task.kind,
+        estimator,
+        num_classes=tc.num_classes,
+        d_model=config.d_model,
+        num_heads=config.num_heads,
+        num_layers=config.num_layers,
+        **options,
+    )
+
+
+def train(
+    task: Task,
+    estimator: str,
+    config: TrainConfig,
+    *,
+    scale: str = "quick",
+    seed: int = 0,
+    options: dict[str, Any] | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Train a fresh model with ``estimator`` on ``task`` and measure what it learned.
+
+    Parameters
+    ----------
+    task : Task
+    estimator : str
+        Registry name, or :data:`~kernelattn_core.tasks.model.NO_MIXING`.
+    config : TrainConfig
+    scale : {"quick", "paper"}
+    seed : int
+        Seeds the data stream, the evaluation stream and the parameters.
+    options : dict, optional
+        Estimator options (``num_features``, ...).
+    on_step : callable, optional
+        Called with the step index after each step (progress).
+
+    Returns
+    -------
+    dict
+        ``accuracy`` (held-out, final), ``curve`` (``[(step, accuracy), ...]`` on the first
+        ``curve_size`` held-out examples), ``losses`` (training loss every ``eval_every``
+        steps), ``first_loss`` / ``last_loss`` (means over the first and last 10 % of the
+        steps), ``time_per_step_ms`` (median), ``peak_mem_mb`` (peak tensor memory of one
+        training step), ``train_s`` and ``params``.
+    """
+    options = dict(options or {})
+    model = build_model(task, estimator, config, scale, seed, options)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, config.steps))
+    data = torch.Generator().manual_seed(seed)
+    held_out = eval_batches(task, scale, seed, config.eval_size, max(config.batch_size, 64))
+    curve_set = eval_batches(task, scale, seed, config.curve_size, config.curve_size)
+
+    def step(batch: TaskBatch) -> float:
+        loss, _, _ = loss_and_hits(model, batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"training loss is {float(loss)} (non-finite)")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        return float(loss.detach())
+
+    losses: list[float] = []
+    curve: list[tuple[int, float]] = []
+    times: list[float] = []
+    start = time.perf_counter()
+    for i in range(config.steps):
+        batch = task.batch(config.batch_size, scale=scale, generator=data)
+        t0 = time.perf_counter()
+        losses.append(step(batch))
+        times.append(time.perf_counter() - t0)
+        if on_step is not None:
+            on_step(i)
+        if (i + 1) % config.eval_every == 0 or i + 1 == config.steps:
+            curve.append((i + 1, accuracy(model, curve_set)))
+    train_s = time.perf_counter() - start
+    peak = _step_peak_memory(model, task.batch(config.batch_size, scale=scale, generator=data))
+    tenth = max(1, config.steps // 10)
+    times.sort()
+    return {
+        "accuracy": accuracy(model, held_out),
+        "curve": curve,
+        "losses": [
+            sum(losses[j : j + config.eval_every]) / len(losses[j : j + config.eval_every])
+            for j in range(0, len(losses), config.eval_every)
+        ],
+        "first_loss": sum(losses[:tenth]) / tenth,
+        "last_loss": sum(losses[-tenth:]) / tenth,
+        "time_per_step_ms": 1e3 * times[len(times) // 2],
+        "peak_mem_mb": peak / 2**20,
+        "train_s": train_s,
+        "params": sum(p.numel() for p in model.parameters()),
+        "config": asdict(config),
+    }
+
+
+def _step_peak_memory(model: TaskModel, batch: TaskBatch) -> int:
+    """Peak tensor memory (bytes) of one forward and backward pass (gradients discarded)."""
+    from ..cli.measure import peak_memory
+
+    def once() -> None:
+        loss, _, _ = loss_and_hits(model, batch)
+        loss.backward()
+
+    out = peak_memory(once, batch.inputs.device)
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def steps_to_fraction(curve: list[tuple[int, float]], target: float) -> int | None:
+    """The first step of ``curve`` whose accuracy reaches ``target`` (``None`` if never)."""
+    for step_index, acc in curve:
+        if acc >= target:
+            return step_index
+    return None
+
+
+__all__ = ["TrainConfig", "accuracy", "lr_factor", "steps_to_fraction", "train"]

@@ -1,0 +1,207 @@
+"""``run_tasks`` and ``kernelattn tasks``: references in every table, reasons for rows that
+cannot run, the derived columns, the CLI's outputs and figure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kernelattn_core.cli.main import main
+from kernelattn_core.tasks import NO_MIXING, TASKS
+from kernelattn_core.tasks.run import (
+    LEARNED_MARGIN,
+    PRESETS,
+    _relate,
+    budget_options,
+    run_tasks,
+    seeds_table,
+)
+
+SMALL = {"eval_size": 32, "curve_size": 16, "eval_every": 2, "d_model": 32}
+
+
+def test_every_table_has_its_references_first_and_reasons_for_rows_that_cannot_run() -> None:
+    streamed: list[dict] = []
+    records = run_tasks(
+        ["mqar", "listops"],
+        ["elu", "lara", "rfa-gate", "prf"],
+        [8, 16],
+        steps=4,
+        progress=False,
+        on_record=streamed.append,
+        recipe=SMALL,
+    )
+    assert streamed == records
+    for task in ("mqar", "listops"):
+        rows = [r for r in records if r["task"] == task]
+        assert [r["estimator"] for r in rows[:2]] == ["exact", NO_MIXING]
+        assert [r["budget"] for r in rows if r["estimator"] == "prf"] == [8, 16]
+        assert [r["budget"] for r in rows if r["estimator"] == "elu"] == [None]
+        exact = rows[0]
+        assert exact["time_vs_exact"] == 1.0 and exact["learned"] is None and exact["ceiling"] == exact["accuracy"]
+        for r in rows:
+            assert r["floor"] == rows[1]["accuracy"]
+    by = {(r["task"], r["estimator"], r["budget"]): r for r in records}
+    assert by[("mqar", "lara", 8)]["error"].startswith("non-causal only")
+    assert by[("mqar", "lara", 8)]["accuracy"] is None
+    assert by[("listops", "rfa-gate", 8)]["error"].startswith("causal only")
+    assert by[("listops", "lara", 8)]["error"] is None and 0 <= by[("listops", "lara", 8)]["accuracy"] <= 1
+    assert by[("mqar", "prf", 16)]["options"] == {"num_features": 16}
+
+
+def test_relate_marks_rows_that_do_not_beat_the_floor_and_reads_steps_to_90() -> None:
+    exact = {"estimator": "exact", "accuracy": 0.8, "time_per_step_ms": 10.0, "curves": []}
+    floor = {"estimator": NO_MIXING, "accuracy": 0.1, "curves": []}
+    fast = {
+        "estimator": "a",
+        "accuracy": 0.7,
+        "time_per_step_ms": 20.0,
+        "curves": [[(10, 0.5), (20, 0.73), (30, 0.7)], [(10, 0.75), (20, 0.8), (30, 0.8)]],
+    }
+    flat = {
+        "estimator": "b",
+        "accuracy": 0.1 + LEARNED_MARGIN / 2,
+        "time_per_step_ms": 5.0,
+        "curves": [[(10, 0.1)], [(10, 0.1)]],
+    }
+    for r in (fast, flat):
+        _relate(r, exact, floor)
+    assert fast["learned"] is True and fast["steps_to_90"] == 10 and fast["time_vs_exact"] == 2.0
+    assert fast["vs_floor"] == pytest.approx(0.6)
+    assert flat["learned"] is False and flat["steps_to_90"] is None
+    half = {"estimator": "c", "accuracy": 0.5, "curves": [[(10, 0.8)], [(10, 0.1)], [(10, 0.1)]]}
+    _relate(half, exact, floor)
+    assert half["steps_to_90"] is None  # one seed of three got there: no median step
+
+
+def test_sliding_window_spends_the_same_total_budget() -> None:
+    for budget in (16, 64, 256):
+        causal = budget_options("sliding-window", budget, True)
+        assert causal["window"] + causal["num_features"] == budget
+        both = budget_options("sliding-window", budget, False)
+        assert budget - 1 <= 2 * both["window"] + 1 + both["num_features"] <= budget
+        assert both["num_features"] % 2 == 0
+    assert budget_options("prf", 64, True) == {"num_features": 64}
+    assert budget_options("elu", 64, True) == {}
+
+
+def test_seeds_table_has_the_papers_layout() -> None:
+    records = [
+        {"task": "listops", "estimator": "exact", "budget": None, "accuracy": 0.4, "time_vs_exact": 1.0},
+        {"task": "mqar", "estimator": "exact", "budget": None, "accuracy": 1.0, "time_vs_exact": 1.0},
+        {"task": "listops", "estimator": "prf", "budget": 64, "accuracy": 0.3, "time_vs_exact": 2.0},
+        {"task": "mqar", "estimator": "prf", "budget": 64, "accuracy": None, "time_vs_exact": None},
+    ]
+    rows = {r["estimator"]: r for r in seeds_table(records)}
+    assert rows["exact"]["avg acc"] == pytest.approx(70.0) and rows["exact"]["listops acc"] == pytest.approx(40.0)
+    assert rows["prf"]["avg acc"] is None  # an average over a missing task would mislead
+
+
+def test_cli_json_csv_and_plot(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("matplotlib")
+    out, plot = tmp_path / "t.json", tmp_path / "t.svg"
+    argv = [
+        "tasks",
+        "--task",
+        "mqar",
+        "--estimator",
+        "elu",
+        "--estimator",
+        "prf",
+        "--budget",
+        "8",
+        "--steps",
+        "2",
+        "--no-progress",
+        "--output",
+        str(out),
+        "--plot",
+        str(plot),
+    ]
+    assert main(argv) == 0
+    records = json.loads(out.read_text())
+    assert [r["estimator"] for r in records] == ["exact", NO_MIXING, "elu", "prf"]
+    assert all(r["steps"] == 2 and r["scale"] == "quick" for r in records)
+    svg = plot.read_text()
+    assert "mqar" in svg and "accuracy against time" in svg and "exact (ceiling)" in svg
+    streamed = capsys.readouterr().out.splitlines()  # the table streamed row by row
+    assert streamed[0].split()[:3] == ["task", "estimator", "budget"]
+    assert [line.split()[1] for line in streamed if line.startswith("mqar")] == ["exact", NO_MIXING, "elu", "prf"]
+    assert streamed[-1].startswith("plot written to")
+    assert main([*argv[:-4], "--format", "csv"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("task,estimator,budget,accuracy") and len(lines) == 5
+
+
+def test_cli_refuses_bad_arguments_before_training(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["tasks", "--budget", "0"]) == 2
+    assert "--budget: expected a positive integer, got 0" in capsys.readouterr().err
+    assert main(["tasks", "--plot", "x.txt", "--steps", "1"]) == 2
+    assert "--plot: expected a file ending in" in capsys.readouterr().err
+    assert main(["tasks", "--estimator", "nope", "--steps", "1", "--no-progress"]) == 2
+    assert "nope" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["tasks", "--task", "imdb"])
+
+
+def test_cli_lists_every_task_and_preset() -> None:
+    from kernelattn_core.cli import tasks_cmd
+
+    assert tasks_cmd.TASK_NAMES == tuple(TASKS)
+    assert tasks_cmd.PRESET_NAMES == tuple(PRESETS)
+
+
+def test_preset_estimators_are_registered() -> None:
+    from kernelattn_core import get_registry
+
+    for plugin in (
+        "kernelattn_prf",
+        "kernelattn_fourier",
+        "kernelattn_maclaurin",
+        "kernelattn_spectral",
+        "kernelattn_sampling",
+        "kernelattn_hybrid",
+    ):
+        pytest.importorskip(plugin)
+    from kernelattn_core.tasks.run import parse_spec
+
+    reg = get_registry()
+    for preset in PRESETS.values():
+        for spec in preset.estimators:
+            name, options = parse_spec(spec)
+            if name != "exact":
+                cls = reg.get(name).cls
+                if name in ("hedgehog", "sliding-window"):
+                    assert set(options) <= {"init", "feature_map"}, spec
+                else:
+                    assert options == {}, spec  # paper estimators run as users get them
+                assert cls is not None
+        assert set(preset.tasks) <= set(TASKS)
+
+
+def test_estimator_specs_carry_options() -> None:
+    from kernelattn_core.errors import InputError
+    from kernelattn_core.tasks.run import parse_spec
+
+    assert parse_spec("prf") == ("prf", {})
+    assert parse_spec("hedgehog:init=prf,tied=True") == ("hedgehog", {"init": "prf", "tied": True})
+    assert parse_spec("sliding-window: window=8 , feature_map=prf") == (
+        "sliding-window",
+        {"window": 8, "feature_map": "prf"},
+    )
+    for bad in ("", "prf:init", "prf:=3", "prf:a b=1"):
+        with pytest.raises(InputError, match="estimator: expected"):
+            parse_spec(bad)
+    records = run_tasks(["mqar"], ["hedgehog:init=prf", "hedgehog"], [8], steps=2, progress=False, recipe=SMALL)
+    by = {r["estimator"]: r for r in records}
+    assert by["hedgehog:init=prf"]["options"] == {"num_features": 8, "init": "prf"}
+    assert by["hedgehog"]["options"] == {"num_features": 8}
+
+
+def test_quadratic_estimators_run_at_their_own_setting_not_the_budget() -> None:
+    pytest.importorskip("kernelattn_sampling")
+    from kernelattn_core.tasks.run import has_budget
+
+    assert not has_budget("ra") and not has_budget("ra-biased") and has_budget("lara") and has_budget("prf")
+    assert budget_options("ra", 64, True) == {}
