@@ -286,8 +286,8 @@ def _groups_not_restated(mp: pytest.MonkeyPatch) -> None:
     def key_group(call, k, v, g0, g1, c, *, grow):  # type: ignore[no-untyped-def]
         if not grow:
             return original(call, k, v, g0, g1, c, grow=grow)
-        fk, vv, own = original(call, k, v, g0, g1, torch.full_like(c, float("-inf")), grow=True)
-        return fk, vv, torch.maximum(c, own)
+        fk, vv, own, *rest = original(call, k, v, g0, g1, torch.full_like(c, float("-inf")), grow=True)
+        return (fk, vv, torch.maximum(c, own), *rest)
 
     mp.setattr(grouped, "_key_group", key_group)
 
