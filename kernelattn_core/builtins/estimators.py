@@ -9,9 +9,9 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..engine.backends import Problem, attend_normalized, select_backend
+from ..engine.backends import Backend, Problem, attend_normalized, attend_step, select_backend
 from ..engine.naive import allowed_pairs, isolated_pre, isolated_rows, poison_rows, quarantine_non_finite
-from ..engine.torch_backend import CausalState, compute_dtype, feature_attention_step
+from ..engine.torch_backend import CausalState, compute_dtype
 from ..errors import InputError
 from ..interfaces.estimator import AttentionEstimator
 from ..interfaces.feature_map import FeatureMap
@@ -301,8 +301,9 @@ class FeatureMapAttention(AttentionEstimator):
             Equal to the last ``T`` rows of ``forward(..., causal=True)`` over the whole
             sequence so far.
         state : CausalState
-            The running sums, to pass to the next call. Uses the torch backend, in eval
-            or training mode alike (no redraw happens between steps).
+            The running sums, to pass to the next call. Runs on the backend a forward
+            call would choose (the Triton step for CUDA tensors when Triton imports), in
+            eval or training mode alike (no redraw happens between steps).
         """
         q, k, mask = self._step_inputs(q, k, v, key_padding_mask)
         fm = self.feature_map
@@ -314,9 +315,18 @@ class FeatureMapAttention(AttentionEstimator):
         q, k = self._pre(q, k, mask, True)
         fm.prepare(q, k, key_padding_mask=mask, causal=True)
         phi_q, phi_k = fm.raw_features(q, query=True), fm.raw_features(k, query=False)
-        self.last_backend = "torch"
-        num, den, state = feature_attention_step(
-            phi_q, phi_k, v, log_space=fm.log_space, key_padding_mask=mask, state=state, chunk_size=self.chunk_size
+        backend = select_backend(Problem(q.device, q.dtype, fm.log_space, True, torch.is_grad_enabled()), self.backend)
+        self.last_backend = backend.name if backend.load_step is not None else "torch"
+        num, den, state = attend_step(
+            backend,
+            phi_q,
+            phi_k,
+            v,
+            log_space=fm.log_space,
+            key_padding_mask=mask,
+            state=state,
+            chunk_size=self.chunk_size,
+            fallback=self._fell_back if self.backend is None else None,
         )
         state.owner = owner
         return self._post(self.normalizer.normalize(num, den)).to(v.dtype), state
@@ -413,5 +423,10 @@ class FeatureMapAttention(AttentionEstimator):
             key_padding_mask=key_padding_mask,
             chunk_size=self.chunk_size,
             scale=root,
+            fallback=self._fell_back if self.backend is None else None,
         )
         return self._post(out).to(v.dtype)
+
+    def _fell_back(self, backend: Backend) -> None:
+        """The automatically chosen backend could not run the call; ``backend`` ran it."""
+        self.last_backend = backend.name

@@ -12,12 +12,20 @@ name). A backend may also offer a *fused* entry (``load_fused``) that computes t
 features on chip from the map's inputs and frequencies
 (:meth:`~kernelattn_core.interfaces.FeatureMap.fused_spec`); :func:`attend_features`
 uses it when the map has a spec and falls back to materialised features otherwise.
+A backend may offer a decoding step (``load_step``); :func:`attend_step` uses it.
+
+A backend whose kernels cannot be launched for a call raises
+:class:`BackendLaunchError`; when the backend was chosen automatically
+(``fallback`` given to :func:`attend_normalized` / :func:`attend_step`) the torch
+backend runs the call instead, with a :class:`BackendWarning`.
 """
 
 from __future__ import annotations
 
+import contextvars
 import importlib.util
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,6 +33,26 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import InputError
+
+
+class BackendLaunchError(InputError):
+    """A backend's kernels could not be launched for a call (out of resources, a compile
+    error); the message names the shape. Under automatic selection the engine runs the
+    torch backend instead, with a :class:`BackendWarning`."""
+
+
+class BackendWarning(UserWarning):
+    """The chosen backend could not run a call and another one ran it."""
+
+
+#: whether the backend running now was chosen automatically (it may fall back to torch)
+_FALLBACK: contextvars.ContextVar[bool] = contextvars.ContextVar("fallback", default=False)
+
+
+def fallback_allowed() -> bool:
+    """Whether the call being computed may fall back to torch (the backend was chosen
+    automatically); a backend reads it in its forward pass, for its backward pass."""
+    return _FALLBACK.get()
 
 
 @dataclass(frozen=True)
@@ -76,6 +104,11 @@ class Backend:
         problem it supports (default: whenever it supports it).
     requirement : str
         What the backend needs, for error messages.
+    load_step : callable, optional
+        ``() -> fn(phi_q, phi_k, v, *, log_space, key_padding_mask, state, chunk_size)``
+        returning ``(num, den, state)``: the decoding step (the contract of
+        :func:`~kernelattn_core.engine.torch_backend.feature_attention_step`); torch's
+        when ``None``.
     """
 
     name: str
@@ -86,6 +119,7 @@ class Backend:
     load_fused: Callable[[], Callable[..., tuple[torch.Tensor, torch.Tensor]]] | None = None
     auto: Callable[[Problem], bool] | None = None
     requirement: str = ""
+    load_step: Callable[[], Callable[..., tuple[torch.Tensor, torch.Tensor, Any]]] | None = None
 
 
 def _load_torch() -> FeatureAttentionFn:
@@ -199,9 +233,15 @@ def attend_normalized(
     key_padding_mask: torch.Tensor | None,
     chunk_size: int | None,
     scale: float = 1.0,
+    fallback: Callable[[Backend], None] | None = None,
 ) -> torch.Tensor:
     """``normalizer.normalize(num, den)`` of :func:`attend_features` on ``scale * q`` and
     ``scale * k``.
+
+    ``fallback`` (the backend was chosen automatically): when ``backend`` raises
+    :class:`BackendLaunchError`, the torch backend computes the call instead, with a
+    :class:`BackendWarning`, and ``fallback`` is called with it (to report which ran);
+    ``None`` lets the error through.
 
     The torch backend applies ``scale`` and the normaliser group by group inside its
     grouped pass (:mod:`kernelattn_core.engine.grouped`), so no whole-sequence scaled copy
@@ -225,12 +265,75 @@ def attend_normalized(
             normalizer=normalizer,
         )
         return out
-    if scale != 1.0:
-        q, k = q * scale, k * scale
-    num, den = attend_features(
-        backend, feature_map, q, k, v, causal=causal, key_padding_mask=key_padding_mask, chunk_size=chunk_size
-    )
+    token = _FALLBACK.set(fallback is not None)
+    try:
+        qs, ks = (q * scale, k * scale) if scale != 1.0 else (q, k)
+        num, den = attend_features(
+            backend, feature_map, qs, ks, v, causal=causal, key_padding_mask=key_padding_mask, chunk_size=chunk_size
+        )
+    except BackendLaunchError as exc:
+        if fallback is None:
+            raise
+        _warn_fallback(exc)
+        torch_backend = _BACKENDS["torch"]
+        fallback(torch_backend)
+        return attend_normalized(
+            torch_backend,
+            feature_map,
+            normalizer,
+            q,
+            k,
+            v,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            chunk_size=chunk_size,
+            scale=scale,
+        )
+    finally:
+        _FALLBACK.reset(token)
     return normalizer.normalize(num, den)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_fallback(exc: BackendLaunchError) -> None:
+    """One :class:`BackendWarning` per distinct failure."""
+    if str(exc) not in _WARNED:
+        _WARNED.add(str(exc))
+        warnings.warn(f"{exc}; running the torch backend instead", BackendWarning, stacklevel=4)
+
+
+def attend_step(
+    backend: Backend,
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    log_space: bool,
+    key_padding_mask: torch.Tensor | None,
+    state: Any,
+    chunk_size: int | None,
+    fallback: Callable[[Backend], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """A decoding step (``(num, den, state)``) through ``backend``'s ``load_step``, or the
+    torch backend's when it has none; ``fallback`` as in :func:`attend_normalized`."""
+    from .torch_backend import feature_attention_step
+
+    kw = dict(log_space=log_space, key_padding_mask=key_padding_mask, state=state, chunk_size=chunk_size)
+    if backend.load_step is None:
+        return feature_attention_step(phi_q, phi_k, v, **kw)
+    token = _FALLBACK.set(fallback is not None)
+    try:
+        return backend.load_step()(phi_q, phi_k, v, **kw)
+    except BackendLaunchError as exc:
+        if fallback is None:
+            raise
+        _warn_fallback(exc)
+        fallback(_BACKENDS["torch"])
+        return feature_attention_step(phi_q, phi_k, v, **kw)
+    finally:
+        _FALLBACK.reset(token)
 
 
 def _interpreting() -> bool:
@@ -248,8 +351,8 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _triton_supports(problem: Problem) -> bool:
-    if problem.device.type == "cuda":
-        return problem.dtype in _TRITON_DTYPES
+    if problem.device.type == "cuda":  # the launch table covers compute capability 8.0 and later
+        return problem.dtype in _TRITON_DTYPES and torch.cuda.get_device_capability(problem.device)[0] >= 8
     # the interpreter runs CPU tensors (and float64, for gradient checks)
     return problem.device.type == "cpu" and _interpreting() and problem.dtype in (*_TRITON_DTYPES, torch.float64)
 
@@ -266,6 +369,12 @@ def _load_triton_fused() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     return fused_feature_attention_triton
 
 
+def _load_triton_step() -> Callable[..., tuple[torch.Tensor, torch.Tensor, Any]]:
+    from .triton_backend import feature_attention_step_triton
+
+    return feature_attention_step_triton
+
+
 register_backend(Backend("torch", 0, lambda: True, lambda problem: True, _load_torch, requirement="nothing"))
 register_backend(
     Backend(
@@ -277,8 +386,10 @@ register_backend(
         load_fused=_load_triton_fused,
         auto=lambda problem: problem.device.type == "cuda",  # never the interpreter unless asked for
         requirement=(
-            "the triton extra (pip install kernelattn-core[triton]) and CUDA tensors of dtype float16, bfloat16 "
-            "or float32, or CPU tensors with TRITON_INTERPRET=1 set before triton is imported"
+            "the triton extra (pip install kernelattn-core[triton]) and CUDA tensors (compute capability 8.0 or "
+            "later) of dtype float16, bfloat16 or float32, or CPU tensors with TRITON_INTERPRET=1 set before "
+            "triton is imported"
         ),
+        load_step=_load_triton_step,
     )
 )

@@ -1,30 +1,80 @@
 """Triton kernels of feature-map attention (imported only by :mod:`.triton_backend`).
 
-One program per ``(batch·head, block of d_v columns)`` walks the sequence in chunks
-of ``BT`` positions and keeps the running state :math:`S \\in \\mathbb{R}^{D \\times
-BV}`, :math:`z \\in \\mathbb{R}^D` on chip. Features come either from memory
-(``FEAT = 0``: :math:`\\phi` or :math:`\\log\\phi`, ``[N, D]``) or are computed on chip
-from ``x' [N, E]``, the frequencies ``ω [D, E]`` and a per-row term (``FEAT = 1``:
-:math:`\\log\\phi = x'\\omega^\\top + \\beta`; ``FEAT = 2``:
-:math:`\\phi = \\rho \\cos(x'\\omega^\\top + b)`), so the ``[N, D]`` features never go
-to memory.
+Chunk-parallel, in the manner of flash-linear-attention's chunk kernels: the sequence
+is cut into chunks of ``BT`` positions; the in-chunk products and the outputs run one
+program per chunk, and a separate *state pass* carries the running sums from chunk to
+chunk. Seven kernels, each tiled over the features ``D`` (``BK``), the values ``d_v``
+(``BV``) and the map's input ``d'`` (``BE``), so the on-chip work space of a program
+depends on the tiles only, never on the shape:
 
-Log-space stabilisers are those of :mod:`.torch_backend`: queries scaled by
-:math:`e^{-\\max_D l_{q,t}}`; keys stored as :math:`e^{l_{k,j} - m_j}` with the prefix
-maximum :math:`m_t = \\max_{j \\le t}\\max_D l_{k,j}` (causal) or the global maximum
-(non-causal); the gate :math:`e^{m_j - m_t}` inside a chunk; the state stated at the
-previous chunk's last :math:`m`. A stabiliser with no valid key yet is ``FLOOR``
-instead of :math:`-\\infty`, and every exponent that is :math:`\\le 0` in exact
-arithmetic is clamped to :math:`\\le 0`, so rows outside the sequence never produce
-an ``inf`` (hence no ``0·inf`` NaN reaches a valid row).
+=================  =========================  ==================================================
+kernel             grid                       computes
+=================  =========================  ==================================================
+``prep``           (row blocks, B·H)          per row: the maximum of the log-features and
+                                              whether the row holds a NaN/inf (features or value)
+``state_fwd``      (D tiles, d_v tiles, B·H)  :math:`S_c` entering each chunk (causal) or the
+                                              one sum :math:`S` (non-causal); the final state
+``out_fwd``        (d_v tiles, chunks, B·H)   numerator and denominator of each chunk
+``state_bwd``      (D tiles, d_v tiles, B·H)  :math:`\\bar S` leaving each chunk, backwards
+``bwd_dv``         (d_v tiles, chunks, B·H)   value gradients
+``bwd_dqk``        (d' tiles, chunks, B·H)    query (``SIDE = 0``) or key (``SIDE = 1``)
+                                              gradients, chained to ``x'`` and the row term
+=================  =========================  ==================================================
 
-Gradients: the backward kernels recompute the features and the running state; the
-causal one sweeps forward (query gradients, with :math:`S`) and then backward (key and
-value gradients, with the reverse state
-:math:`R = \\sum_{t \\ge s} e^{r - m_t} \\hat\\phi_q(q_t) \\, \\bar{\\mathrm{num}}_t^\\top`
-stated at :math:`r = m_s`, the first position of the later chunks). Query and key
-gradients are partial over the ``d_v`` blocks (written to one slot per block and summed
-by the caller); value gradients are complete.
+Features come from memory (``FEAT = 0``: features; ``FEAT = 1``: log-features) or are
+computed on chip from ``x' [N, d']``, the frequencies ``ω [D, d']`` and a per-row term
+(``FEAT = 2``: :math:`\\log\\phi = x'\\omega^\\top + \\beta`; ``FEAT = 3``:
+:math:`\\phi = \\rho\\cos(x'\\omega^\\top + b)`), so the ``[N, D]`` features never go to
+memory, forward or backward.
+
+Notation (log maps; plain maps drop every stabiliser): per row :math:`t`,
+:math:`\\hat q_t = e^{l_{q,t} - \\mu_t}` with :math:`\\mu_t = \\max_D l_{q,t}`
+(``MQ``), :math:`\\hat k_j = e^{l_{k,j} - m_j}` with the prefix maximum
+:math:`m_j = \\max_{i \\le j}\\max_D l_{k,i}` (``MK``; non-causal: one maximum over all
+keys), the state :math:`S_c` entering chunk ``c`` stated at :math:`M_{c-1}` (``MC``, the
+:math:`m` of the previous chunk's last row), the gate
+:math:`G_{tj} = [j \\le t]\\, e^{m_j - m_t}`. For a row :math:`t` of chunk ``c``:
+
+.. math::
+    \\mathrm{num}_t = \\sum_{j \\in c} G_{tj} (\\hat q_t \\cdot \\hat k_j) v_j
+    + e^{M_{c-1} - m_t} S_c^\\top \\hat q_t, \\qquad
+    S_{c+1} = e^{M_{c-1} - M_c} S_c + \\sum_{j \\in c} e^{l_{k,j} - M_c} v_j^\\top,
+
+and the denominator with :math:`z` and :math:`v_j = 1`. Every exponent is
+:math:`\\le 0` in exact arithmetic and clamped to :math:`\\le 0`, so nothing overflows.
+The backward pass (:math:`\\bar o_t = (\\overline{\\mathrm{num}}_t, \\overline{\\mathrm{den}}_t)`,
+:math:`\\tilde v_j = (v_j, 1)`, :math:`P = (\\hat q \\hat k^\\top) \\circ G`,
+:math:`\\bar P = (\\bar o \\tilde v^\\top) \\circ G`):
+
+.. math::
+    \\bar S_c = \\sum_{t \\in c} e^{M_{c-1} - m_t} \\hat q_t \\bar o_t^\\top
+    + e^{M_{c-1} - M_c} \\bar S_{c+1}, \\qquad
+    \\bar{\\hat q} = \\bar P \\hat k + e^{M_{c-1} - m_t} \\bar o \\tilde S_c^\\top,
+
+.. math::
+    \\bar{\\hat k} = \\bar P^\\top \\hat q + e^{m_j - M_c} \\tilde v \\bar{S}_{c+1}^\\top, \\qquad
+    \\bar v = P^\\top \\overline{\\mathrm{num}} + e^{m_j - M_c} \\hat k \\bar S_{c+1},
+
+then :math:`\\bar l = \\bar{\\hat q} \\circ \\hat q` (log maps; the stabilisers are
+constants) and, fused, :math:`\\bar x' = \\bar u\\, \\omega`.
+
+**Non-finite rows.** ``prep`` flags rows holding NaN or inf (``-inf`` is a valid
+log-feature); the caller turns the flags into ``QP`` (the query rows that are NaN:
+their features are zeroed and their incoming gradient ignored) and ``KD`` (dropped keys:
+padded or non-finite; features and values zeroed before any product), so a NaN never
+meets a product as :math:`0 \\cdot \\mathrm{NaN}`.
+
+**Operand precision.** ``tl.dot`` takes the operands in ``OPF`` (bounded operands:
+log-space features :math:`\\le 1`, gated products, values) or ``OPS`` (state sums and
+gradients, which may exceed float16's range), with ``ACC`` accumulation: bfloat16 /
+bfloat16 for bfloat16 inputs, float16 / TF32 for float16 inputs (TF32 for both with
+plain maps, whose features are unbounded), IEEE float32 for float32, float64 under the
+interpreter. ``EMU`` (interpreter only) computes bfloat16 products in float32 from the
+rounded operands, as the tensor cores do (the interpreter's own bfloat16 ``dot`` is
+wrong), and with ``EMU = 2`` rounds TF32 operands to TF32 (``cvt.rna``).
+
+Every integer argument is left unspecialised (``do_not_specialize``), so one compiled
+binary per table entry serves every shape: the compile test covers exactly what runs.
 """
 
 from __future__ import annotations
@@ -36,425 +86,278 @@ FLOOR_VALUE = -1.0e30
 #: the stabiliser before any valid key (a global must be constexpr inside a compiled kernel)
 FLOOR: tl.constexpr = tl.constexpr(FLOOR_VALUE)
 
-
-@triton.jit
-def _maximum(a, b):
-    return tl.maximum(a, b)
+#: integer arguments of every kernel (never specialised, see the module docstring)
+_INTS = ["R", "D", "E", "DV", "LD", "LE", "LV", "NC", "NCH", "causal", "has_v"]
 
 
-@triton.jit
-def _load_w(W, D, E, ACC: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
-    """The frequencies ``ω [BD, BE]``, loaded once per program (fused maps)."""
-    offs_d = tl.arange(0, BD)
-    offs_e = tl.arange(0, BE)
-    mask = (offs_d < D)[:, None] & (offs_e < E)[None, :]
-    return tl.load(W + offs_d[:, None] * E + offs_e[None, :], mask=mask, other=0.0).to(ACC)
+def _jit(fn):  # type: ignore[no-untyped-def]
+    names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
+    return triton.jit(do_not_specialize=[n for n in _INTS if n in names])(fn)
 
 
 @triton.jit
-def _raw(
+def _tf32(x):
+    """``x`` rounded to TF32 (10-bit mantissa, to nearest, ties away: ``cvt.rna.tf32.f32``)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x1000) & -8192
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot(a, b, OP: tl.constexpr, PREC: tl.constexpr, EMU: tl.constexpr, ACC: tl.constexpr):
+    """``a @ b`` with operands in ``OP`` and ``ACC`` accumulation (see the module docstring)."""
+    a = a.to(OP)
+    b = b.to(OP)
+    if EMU:
+        if OP == tl.bfloat16:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if EMU == 2 and PREC == "tf32":
+            a = _tf32(a)
+            b = _tf32(b)
+    return tl.dot(a, b, out_dtype=ACC, input_precision=PREC)
+
+
+@triton.jit
+def _features(
     F,
     X,
     ROW,
     W,
     PH,
-    bh,
-    offs_t,
-    t_ok,
-    N,
+    rows,
+    r_ok,
+    k0,
     D,
     E,
+    LD,
+    LE,
     FEAT: tl.constexpr,
     ACC: tl.constexpr,
-    BD: tl.constexpr,
+    OPX: tl.constexpr,
+    PX: tl.constexpr,
+    EMU: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
     BE: tl.constexpr,
-    PREC: tl.constexpr,
 ):
-    """``[BT, BD]`` features (or log-features) of rows ``offs_t``; garbage where not ``t_ok``."""
-    offs_d = tl.arange(0, BD)
-    d_ok = offs_d < D
-    if FEAT == 0:
-        ptr = F + bh * N * D + offs_t[:, None] * D + offs_d[None, :]
-        f = tl.load(ptr, mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(ACC)
+    """Raw features ``[BT, BK]`` of ``rows`` (columns ``k0 .. k0 + BK``) and, for trig maps,
+    the angle :math:`u + b`; ``F``, ``X``, ``ROW`` point at this ``(batch, head)``. Garbage
+    (not NaN-free) outside ``r_ok``: callers mask."""
+    offs_k = k0 + tl.arange(0, BK)
+    k_ok = offs_k < D
+    if FEAT <= 1:
+        # columns up to the padded stride LD (zeros past D; callers mask by D): vector loads
+        k_in = offs_k < LD
+        f = tl.load(F + rows[:, None] * LD + offs_k[None, :], mask=r_ok[:, None] & k_in[None, :], other=0.0).to(ACC)
+        ang = f
     else:
-        offs_e = tl.arange(0, BE)
-        e_ok = offs_e < E
-        x = tl.load(
-            X + bh * N * E + offs_t[:, None] * E + offs_e[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0
-        ).to(ACC)
-        w = W  # the [BD, BE] tile, loaded once per program
-        u = tl.dot(x, tl.trans(w), input_precision=PREC, out_dtype=ACC)  # [BT, BD]
-        row = tl.load(ROW + bh * N + offs_t, mask=t_ok, other=0.0).to(ACC)
-        if FEAT == 1:
+        u = tl.zeros([BT, BK], dtype=ACC)
+        for e0 in range(0, E, BE):
+            offs_e = e0 + tl.arange(0, BE)
+            e_in = offs_e < LE  # zeros past d' in x' and ω
+            x = tl.load(X + rows[:, None] * LE + offs_e[None, :], mask=r_ok[:, None] & e_in[None, :], other=0.0)
+            w = tl.load(W + offs_k[:, None] * LE + offs_e[None, :], mask=k_ok[:, None] & e_in[None, :], other=0.0)
+            u += _dot(x, tl.trans(w), OPX, PX, EMU, ACC)
+        row = tl.load(ROW + rows, mask=r_ok, other=0.0).to(ACC)
+        if FEAT == 2:
             f = u + row[:, None]
+            ang = u
         else:
-            ph = tl.load(PH + offs_d, mask=d_ok, other=0.0).to(ACC)
-            f = row[:, None] * tl.cos(u + ph[None, :])
-    return f
+            ph = tl.load(PH + offs_k, mask=k_ok, other=0.0).to(ACC)
+            ang = u + ph[None, :]
+            f = row[:, None] * tl.cos(ang)
+    return f, ang
 
 
 @triton.jit
-def _raw_grad(
-    g,
-    DF,
-    DX,
-    DROW,
+def _hat(f, m, keep, LOG: tl.constexpr):
+    """:math:`e^{f - m}` (log maps, exponent clamped to ``<= 0``) or ``f``; 0 where not ``keep``."""
+    if LOG:
+        f = tl.exp(tl.minimum(f - m[:, None], 0.0))
+    return tl.where(keep, f, 0.0)
+
+
+@triton.jit
+def _gate(mt, rows, r_ok, LOG: tl.constexpr):
+    """``[t, j]``: :math:`e^{m_j - m_t}` on ``j <= t`` (1 for plain maps), 0 elsewhere."""
+    keep = (rows[None, :] <= rows[:, None]) & r_ok[:, None] & r_ok[None, :]
+    if LOG:
+        g = tl.exp(tl.minimum(mt[None, :] - mt[:, None], 0.0))
+        return tl.where(keep, g, 0.0)
+    return tl.where(keep, 1.0, 0.0)
+
+
+@triton.jit
+def _on(rows, flag):
+    """``[BT]`` of ``flag != 0`` (a scalar flag broadcast to a boolean vector; ``r_ok & (flag != 0)``
+    gives integers under the interpreter)."""
+    return (rows * 0 + flag) != 0
+
+
+@triton.jit
+def _last_m(MK, c, R, BT: tl.constexpr):
+    """:math:`M_c`: the stabiliser at the last row of chunk ``c``."""
+    return tl.load(MK + tl.minimum(c * BT + BT, R) - 1)
+
+
+# ------------------------------------------------------------------------------------ prep
+@_jit
+def prep_kernel(
+    F,
     X,
     ROW,
     W,
     PH,
-    slot,
-    bh,
-    offs_t,
-    t_ok,
-    N,
+    V,
+    MX,
+    BAD,
+    R,
     D,
     E,
+    DV,
+    LD,
+    LE,
+    LV,
+    has_v,
     FEAT: tl.constexpr,
     ACC: tl.constexpr,
-    BD: tl.constexpr,
+    OPX: tl.constexpr,
+    PX: tl.constexpr,
+    EMU: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
     BE: tl.constexpr,
-    PREC: tl.constexpr,
+    BV: tl.constexpr,
 ):
-    """Write the gradient ``g [BT, BD]`` with respect to the raw features into slot ``slot``:
-    as it is (``FEAT = 0``) or chained to ``x'`` and the row term (fused maps)."""
-    offs_d = tl.arange(0, BD)
-    d_ok = offs_d < D
-    g = tl.where(t_ok[:, None] & d_ok[None, :], g, 0.0)
-    if FEAT == 0:
-        ptr = DF + slot * N * D + bh * N * D + offs_t[:, None] * D + offs_d[None, :]
-        tl.store(ptr, g, mask=t_ok[:, None] & d_ok[None, :])
-    else:
-        offs_e = tl.arange(0, BE)
-        e_ok = offs_e < E
-        w = W  # the [BD, BE] tile, loaded once per program
-        if FEAT == 1:
-            du = g
-            drow = tl.sum(g, 1)
+    """Per row of ``R``: ``MX`` the maximum over ``D`` of the finite log-features (``-inf``
+    if none; log maps) and ``BAD`` whether the row's features (NaN or ``+inf`` for log
+    maps, NaN or ``±inf`` otherwise) or, with ``has_v``, its value hold a non-finite number."""
+    LD = LD // 16 * 16  # row strides: multiples of 16 (the host pads), which the compiler now knows
+    LE = LE // 16 * 16
+    LV = LV // 16 * 16
+    LOG: tl.constexpr = FEAT == 1 or FEAT == 2
+    pr = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = pr * BT + tl.arange(0, BT)
+    r_ok = rows < R
+    F += bh * R * LD
+    X += bh * R * LE
+    ROW += bh * R
+    V += bh * R * LV
+    mx = tl.full([BT], float("-inf"), ACC)
+    bad = tl.zeros([BT], dtype=tl.int32)
+    for k0 in range(0, D, BK):
+        f, _ = _features(F, X, ROW, W, PH, rows, r_ok, k0, D, E, LD, LE, FEAT, ACC, OPX, PX, EMU, BT, BK, BE)
+        ok = r_ok[:, None] & ((k0 + tl.arange(0, BK)) < D)[None, :]
+        if LOG:
+            nonfinite = (f != f) | (f == float("inf"))
+            mx = tl.maximum(mx, tl.max(tl.where(ok & ~nonfinite, f, float("-inf")), 1))
         else:
-            x = tl.load(
-                X + bh * N * E + offs_t[:, None] * E + offs_e[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0
-            ).to(ACC)
-            u = tl.dot(x, tl.trans(w), input_precision=PREC, out_dtype=ACC)
-            ph = tl.load(PH + offs_d, mask=d_ok, other=0.0).to(ACC)
-            row = tl.load(ROW + bh * N + offs_t, mask=t_ok, other=0.0).to(ACC)
-            drow = tl.sum(tl.cos(u + ph[None, :]) * g, 1)
-            du = -row[:, None] * tl.sin(u + ph[None, :]) * g
-        dx = tl.dot(du, w, input_precision=PREC, out_dtype=ACC)  # [BT, BE]
-        tl.store(
-            DX + slot * N * E + bh * N * E + offs_t[:, None] * E + offs_e[None, :],
-            dx,
-            mask=t_ok[:, None] & e_ok[None, :],
-        )
-        tl.store(DROW + slot * N + bh * N + offs_t, drow, mask=t_ok)
+            nonfinite = (f != f) | (tl.abs(f) == float("inf"))
+        bad = tl.maximum(bad, tl.max(tl.where(ok & nonfinite, 1, 0), 1))
+    if has_v != 0:
+        for v0 in range(0, DV, BV):
+            offs_v = v0 + tl.arange(0, BV)
+            ok = r_ok[:, None] & (offs_v < LV)[None, :]
+            v = tl.load(V + rows[:, None] * LV + offs_v[None, :], mask=ok, other=0.0).to(ACC)
+            nonfinite = (v != v) | (tl.abs(v) == float("inf"))
+            bad = tl.maximum(bad, tl.max(tl.where(ok & nonfinite, 1, 0), 1))
+    tl.store(MX + bh * R + rows, mx, mask=r_ok)
+    tl.store(BAD + bh * R + rows, bad.to(tl.int8), mask=r_ok)
 
 
-@triton.jit
-def _query_side(lq, t_ok, D, LOG: tl.constexpr, BD: tl.constexpr):
-    """:math:`e^{l_q - \\max_D l_q}` (log maps) or the features; zero outside the tile."""
-    d_ok = tl.arange(0, BD) < D
-    ok = t_ok[:, None] & d_ok[None, :]
-    if LOG:
-        lq = tl.where(ok, lq, float("-inf"))
-        mq = tl.max(lq, 1)
-        mq = tl.where(t_ok, mq, 0.0)
-        fq = tl.exp(lq - mq[:, None])
-    else:
-        fq = lq
-    return tl.where(ok, fq, 0.0)
-
-
-@triton.jit
-def _key_side(lk, valid, m_prev, D, LOG: tl.constexpr, BD: tl.constexpr):
-    """Keys of a chunk: ``(fk, m)`` with :math:`f_k = e^{l_k - m_j}` and the running
-    prefix maximum ``m [BT]`` (log maps), or the masked features."""
-    d_ok = tl.arange(0, BD) < D
-    ok = valid[:, None] & d_ok[None, :]
-    if LOG:
-        lk = tl.where(ok, lk, float("-inf"))
-        rmax = tl.max(lk, 1)  # [BT]
-        mc = tl.associative_scan(rmax, 0, _maximum)
-        mc = tl.maximum(tl.maximum(mc, m_prev), FLOOR)
-        fk = tl.exp(lk - mc[:, None])
-    else:
-        mc = tl.zeros_like(m_prev) + tl.zeros([lk.shape[0]], dtype=m_prev.dtype)
-        fk = lk
-    return tl.where(ok, fk, 0.0), mc
-
-
-@triton.jit
-def _gate(mc, offs_t, t_ok, LOG: tl.constexpr):
-    """``[t, j]``: :math:`e^{m_j - m_t}` on ``j <= t`` (1 for plain maps), 0 elsewhere."""
-    keep = (offs_t[None, :] <= offs_t[:, None]) & t_ok[:, None] & t_ok[None, :]
-    if LOG:
-        g = tl.exp(tl.minimum(mc[None, :] - mc[:, None], 0.0))
-    else:
-        g = tl.zeros_like(mc)[None, :] + tl.zeros_like(mc)[:, None] + 1.0
-    return tl.where(keep, g, 0.0)
-
-
-@triton.jit
-def _valid_keys(MASK, b, M, offs_t, t_ok, HAS_MASK: tl.constexpr):
-    if HAS_MASK:
-        pad = tl.load(MASK + b * M + offs_t, mask=t_ok, other=1)
-        return t_ok & (pad == 0)
-    return t_ok
-
-
-@triton.jit
-def causal_fwd_kernel(
-    FQ,
-    XQ,
-    RQ,
+# ------------------------------------------------------------------------------- forward
+@_jit
+def state_fwd_kernel(
     FK,
     XK,
     RK,
     W,
     PH,
     V,
-    MASK,
-    NUM,
-    DEN,
-    MOUT,
+    KD,
+    MK,
     S0,
     Z0,
     M0,
+    H,
+    HZ,
     S1,
     Z1,
-    M1,
-    H,
-    N,
+    R,
     D,
     E,
     DV,
+    LD,
+    LE,
+    LV,
+    NC,
+    causal,
     FEAT: tl.constexpr,
-    LOG: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    HAS_STATE: tl.constexpr,
     ACC: tl.constexpr,
-    PREC: tl.constexpr,
+    OPX: tl.constexpr,
+    PX: tl.constexpr,
+    OPF: tl.constexpr,
+    PF: tl.constexpr,
+    EMU: tl.constexpr,
     BT: tl.constexpr,
-    BD: tl.constexpr,
+    BK: tl.constexpr,
     BE: tl.constexpr,
     BV: tl.constexpr,
 ):
-    bh = tl.program_id(0).to(tl.int64)
+    """The state pass: from ``(S0, Z0)`` stated at ``M0``, the states entering each chunk
+    (``H``, ``HZ``, causal only) and the final one (``S1``, ``Z1``, stated at
+    :math:`M_{\\mathrm{last}}`; non-causal: the sum over all keys at the one maximum)."""
+    LD = LD // 16 * 16  # row strides: multiples of 16 (the host pads), which the compiler now knows
+    LE = LE // 16 * 16
+    LV = LV // 16 * 16
+    LOG: tl.constexpr = FEAT == 1 or FEAT == 2
+    pk = tl.program_id(0)
     pv = tl.program_id(1)
-    b = bh // H
-    if FEAT != 0:
-        W = _load_w(W, D, E, ACC, BD, BE)
-    offs_d = tl.arange(0, BD)
-    d_ok = offs_d < D
+    bh = tl.program_id(2).to(tl.int64)
+    offs_k = pk * BK + tl.arange(0, BK)
+    k_ok = offs_k < D
     offs_v = pv * BV + tl.arange(0, BV)
-    v_ok = offs_v < DV
-    sd = offs_d[:, None] * DV + offs_v[None, :]
-    sok = d_ok[:, None] & v_ok[None, :]
-    if HAS_STATE:
-        s = tl.load(S0 + bh * D * DV + sd, mask=sok, other=0.0).to(ACC)
-        z = tl.load(Z0 + bh * D + offs_d, mask=d_ok, other=0.0).to(ACC)
-        m_prev = tl.maximum(tl.load(M0 + bh + tl.arange(0, 1)).to(ACC), FLOOR)
-    else:
-        s = tl.zeros([BD, BV], dtype=ACC)
-        z = tl.zeros([BD], dtype=ACC)
-        m_prev = tl.zeros([1], dtype=ACC) + FLOOR * LOG  # plain maps: 0, every factor is 1
-    for t0 in range(0, N, BT):
-        offs_t = t0 + tl.arange(0, BT)
-        t_ok = offs_t < N
-        valid = _valid_keys(MASK, b, N, offs_t, t_ok, HAS_MASK)
-        fq = _query_side(_raw(FQ, XQ, RQ, W, PH, bh, offs_t, t_ok, N, D, E, FEAT, ACC, BD, BE, PREC), t_ok, D, LOG, BD)
-        lk = _raw(FK, XK, RK, W, PH, bh, offs_t, t_ok, N, D, E, FEAT, ACC, BD, BE, PREC)
-        fk, mc = _key_side(lk, valid, m_prev, D, LOG, BD)
-        v = tl.load(
-            V + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :], other=0.0
-        ).to(ACC)
-        v = tl.where(valid[:, None], v, 0.0)  # a padded value never reaches an output (NaN included)
-        a = tl.dot(fq, tl.trans(fk), input_precision=PREC, out_dtype=ACC) * _gate(mc, offs_t, t_ok, LOG)
-        past = tl.exp(tl.minimum(m_prev - mc, 0.0))  # [BT]
-        num = (
-            tl.dot(a, v, input_precision=PREC, out_dtype=ACC)
-            + tl.dot(fq, s, input_precision=PREC, out_dtype=ACC) * past[:, None]
-        )
-        den = tl.sum(a, 1) + tl.sum(fq * z[None, :], 1) * past
-        tl.store(NUM + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :], num, mask=t_ok[:, None] & v_ok[None, :])
-        tl.store(DEN + bh * N + offs_t, den, mask=offs_t < tl.where(pv == 0, N, 0))
-        tl.store(MOUT + bh * N + offs_t, mc, mask=offs_t < tl.where(pv == 0, N, 0))
-        m_new = tl.max(tl.where(t_ok, mc, FLOOR), 0, keep_dims=True)  # [1]
-        decay = tl.exp(tl.minimum(m_prev - m_new, 0.0))
-        kr = fk * tl.exp(tl.minimum(mc - m_new, 0.0))[:, None]
-        s = s * decay[:, None] + tl.dot(tl.trans(kr), v, input_precision=PREC, out_dtype=ACC)
-        z = z * decay + tl.sum(kr, 0)
-        m_prev = m_new
-    tl.store(S1 + bh * D * DV + sd, s, mask=sok)
-    tl.store(Z1 + bh * D + offs_d, z, mask=offs_d < tl.where(pv == 0, D, 0))
-    tl.store(M1 + bh + tl.arange(0, 1), m_prev, mask=tl.arange(0, 1) < tl.where(pv == 0, 1, 0))
-
-
-@triton.jit
-def causal_bwd_kernel(
-    FQ,
-    XQ,
-    RQ,
-    FK,
-    XK,
-    RK,
-    W,
-    PH,
-    V,
-    MASK,
-    MOUT,
-    DNUM,
-    DDEN,
-    S0,
-    Z0,
-    M0,
-    DS1,
-    DZ1,
-    M1,
-    DFQ,
-    DXQ,
-    DRQ,
-    DFK,
-    DXK,
-    DRK,
-    DVV,
-    DS0,
-    DZ0,
-    H,
-    N,
-    D,
-    E,
-    DV,
-    FEAT: tl.constexpr,
-    LOG: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    HAS_STATE: tl.constexpr,
-    HAS_DSTATE: tl.constexpr,
-    ACC: tl.constexpr,
-    PREC: tl.constexpr,
-    BT: tl.constexpr,
-    BD: tl.constexpr,
-    BE: tl.constexpr,
-    BV: tl.constexpr,
-):
-    bh = tl.program_id(0).to(tl.int64)
-    pv = tl.program_id(1)
-    slot = pv.to(tl.int64) * tl.num_programs(0)
-    b = bh // H
-    if FEAT != 0:
-        W = _load_w(W, D, E, ACC, BD, BE)
-    offs_d = tl.arange(0, BD)
-    d_ok = offs_d < D
-    offs_v = pv * BV + tl.arange(0, BV)
-    v_ok = offs_v < DV
-    sd = offs_d[:, None] * DV + offs_v[None, :]
-    sok = d_ok[:, None] & v_ok[None, :]
-    first = pv == 0
-    # ---- sweep 1 (forward): query gradients, with the running state recomputed
-    if HAS_STATE:
-        s = tl.load(S0 + bh * D * DV + sd, mask=sok, other=0.0).to(ACC)
-        z = tl.load(Z0 + bh * D + offs_d, mask=d_ok, other=0.0).to(ACC)
-        m_prev = tl.maximum(tl.load(M0 + bh + tl.arange(0, 1)).to(ACC), FLOOR)
-    else:
-        s = tl.zeros([BD, BV], dtype=ACC)
-        z = tl.zeros([BD], dtype=ACC)
-        m_prev = tl.zeros([1], dtype=ACC) + FLOOR * LOG  # plain maps: 0, every factor is 1
-    for t0 in range(0, N, BT):
-        offs_t = t0 + tl.arange(0, BT)
-        t_ok = offs_t < N
-        valid = _valid_keys(MASK, b, N, offs_t, t_ok, HAS_MASK)
-        lq = _raw(FQ, XQ, RQ, W, PH, bh, offs_t, t_ok, N, D, E, FEAT, ACC, BD, BE, PREC)
-        fq = _query_side(lq, t_ok, D, LOG, BD)
-        fk, mc = _key_side(
-            _raw(FK, XK, RK, W, PH, bh, offs_t, t_ok, N, D, E, FEAT, ACC, BD, BE, PREC), valid, m_prev, D, LOG, BD
-        )
-        v = tl.load(
-            V + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :], other=0.0
-        ).to(ACC)
-        v = tl.where(valid[:, None], v, 0.0)
-        dnum = tl.load(
-            DNUM + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :], other=0.0
-        ).to(ACC)
-        dden = tl.load(DDEN + bh * N + offs_t, mask=offs_t < tl.where(first, N, 0), other=0.0).to(ACC)
-        gate = _gate(mc, offs_t, t_ok, LOG)
-        da = (tl.dot(dnum, tl.trans(v), input_precision=PREC, out_dtype=ACC) + dden[:, None]) * gate  # [t, j]
-        past = tl.exp(tl.minimum(m_prev - mc, 0.0))
-        dfq = (
-            tl.dot(da, fk, input_precision=PREC, out_dtype=ACC)
-            + (tl.dot(dnum, tl.trans(s), input_precision=PREC, out_dtype=ACC) + dden[:, None] * z[None, :])
-            * past[:, None]
-        )
+    v_ok = offs_v < LV  # zeros past d_v (the host pads)
+    sd = offs_k[:, None] * LV + offs_v[None, :]
+    sok = k_ok[:, None] & v_ok[None, :]
+    zok = offs_k < tl.where(pv == 0, D, 0)  # z: the first d_v block writes it
+    FK += bh * R * LD
+    XK += bh * R * LE
+    RK += bh * R
+    V += bh * R * LV
+    KD += bh * R
+    MK += bh * R
+    s = tl.load(S0 + bh * D * LV + sd, mask=sok, other=0.0).to(ACC)
+    z = tl.load(Z0 + bh * D + offs_k, mask=k_ok, other=0.0).to(ACC)
+    m_prev = tl.load(M0 + bh).to(ACC)
+    for c in range(0, NC):
+        if causal != 0:
+            tl.store(H + (bh * NC + c) * D * LV + sd, s.to(H.dtype.element_ty), mask=sok)
+            tl.store(HZ + (bh * NC + c) * D + offs_k, z, mask=zok)
+        rows = c * BT + tl.arange(0, BT)
+        r_ok = rows < R
+        keep = (tl.load(KD + rows, mask=r_ok, other=1) == 0) & r_ok
+        f, _ = _features(FK, XK, RK, W, PH, rows, r_ok, pk * BK, D, E, LD, LE, FEAT, ACC, OPX, PX, EMU, BT, BK, BE)
         if LOG:
-            dfq = dfq * fq
-        _raw_grad(dfq, DFQ, DXQ, DRQ, XQ, RQ, W, PH, slot, bh, offs_t, t_ok, N, D, E, FEAT, ACC, BD, BE, PREC)
-        m_new = tl.max(tl.where(t_ok, mc, FLOOR), 0, keep_dims=True)
-        decay = tl.exp(tl.minimum(m_prev - m_new, 0.0))
-        kr = fk * tl.exp(tl.minimum(mc - m_new, 0.0))[:, None]
-        s = s * decay[:, None] + tl.dot(tl.trans(kr), v, input_precision=PREC, out_dtype=ACC)
-        z = z * decay + tl.sum(kr, 0)
-        m_prev = m_new
-    # ---- sweep 2 (backward): key and value gradients with the reverse state R stated at r
-    r = m_prev
-    if HAS_DSTATE:
-        rs = tl.load(DS1 + bh * D * DV + sd, mask=sok, other=0.0).to(ACC)
-        rz = tl.load(DZ1 + bh * D + offs_d, mask=offs_d < tl.where(first, D, 0), other=0.0).to(ACC)
-    else:
-        rs = tl.zeros([BD, BV], dtype=ACC)
-        rz = tl.zeros([BD], dtype=ACC)
-    nchunks = tl.cdiv(N, BT)
-    for i in range(0, nchunks):
-        t0 = (nchunks - 1 - i) * BT
-        offs_t = t0 + tl.arange(0, BT)
-        t_ok = offs_t < N
-        valid = _valid_keys(MASK, b, N, offs_t, t_ok, HAS_MASK)
-        mc = tl.load(MOUT + bh * N + offs_t, mask=t_ok, other=FLOOR).to(ACC)
-        fq = _query_side(_raw(FQ, XQ, RQ, W, PH, bh, offs_t, t_ok, N, D, E, FEAT, ACC, BD, BE, PREC), t_ok, D, LOG, BD)
-        lk = _raw(FK, XK, RK, W, PH, bh, offs_t, t_ok, N, D, E, FEAT, ACC, BD, BE, PREC)
-        ok = valid[:, None] & d_ok[None, :]
-        if LOG:
-            fk = tl.where(ok, tl.exp(tl.minimum(tl.where(ok, lk, float("-inf")) - mc[:, None], 0.0)), 0.0)
+            m_end = _last_m(MK, c, R, BT)
+            decay = tl.exp(tl.minimum(m_prev - m_end, 0.0))
+            s = s * decay
+            z = z * decay
+            m_prev = m_end
+            fk = tl.where(keep[:, None] & k_ok[None, :], tl.exp(tl.minimum(f - m_end, 0.0)), 0.0)
         else:
-            fk = tl.where(ok, lk, 0.0)
-        v = tl.load(
-            V + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :], other=0.0
-        ).to(ACC)
-        v = tl.where(valid[:, None], v, 0.0)
-        dnum = tl.load(
-            DNUM + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :], other=0.0
-        ).to(ACC)
-        dden = tl.load(DDEN + bh * N + offs_t, mask=offs_t < tl.where(first, N, 0), other=0.0).to(ACC)
-        gate = _gate(mc, offs_t, t_ok, LOG)
-        a = tl.dot(fq, tl.trans(fk), input_precision=PREC, out_dtype=ACC) * gate
-        da = (tl.dot(dnum, tl.trans(v), input_precision=PREC, out_dtype=ACC) + dden[:, None]) * gate
-        later = tl.exp(tl.minimum(mc - r, 0.0))  # [BT]: e^{m_j - r} <= 1
-        fkl = fk * later[:, None]
-        dv = tl.dot(tl.trans(a), dnum, input_precision=PREC, out_dtype=ACC) + tl.dot(
-            fkl, rs, input_precision=PREC, out_dtype=ACC
-        )
-        dv = tl.where(valid[:, None], dv, 0.0)
-        tl.store(DVV + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :], dv, mask=t_ok[:, None] & v_ok[None, :])
-        dfk = (
-            tl.dot(tl.trans(da), fq, input_precision=PREC, out_dtype=ACC)
-            + (tl.dot(v, tl.trans(rs), input_precision=PREC, out_dtype=ACC) + rz[None, :]) * later[:, None]
-        )
-        if LOG:
-            dfk = dfk * fk
-        dfk = tl.where(valid[:, None], dfk, 0.0)
-        _raw_grad(dfk, DFK, DXK, DRK, XK, RK, W, PH, slot, bh, offs_t, t_ok, N, D, E, FEAT, ACC, BD, BE, PREC)
-        r_new = tl.min(tl.where(t_ok, mc, -FLOOR), 0, keep_dims=True)  # m at the chunk's first position
-        back = tl.exp(tl.minimum(r_new - r, 0.0))
-        fqe = fq * tl.exp(tl.minimum(r_new - mc, 0.0))[:, None]
-        rs = rs * back[:, None] + tl.dot(tl.trans(fqe), dnum, input_precision=PREC, out_dtype=ACC)
-        rz = rz * back + tl.sum(fqe * dden[:, None], 0)
-        r = r_new
-    if HAS_STATE:
-        m0 = tl.maximum(tl.load(M0 + bh + tl.arange(0, 1)).to(ACC), FLOOR)
-        back = tl.exp(tl.minimum(m0 - r, 0.0))
-        tl.store(DS0 + bh * D * DV + sd, rs * back[:, None], mask=sok)
-        tl.store(DZ0 + bh * D + offs_d, rz * back, mask=offs_d < tl.where(first, D, 0))
+            fk = tl.where(keep[:, None] & k_ok[None, :], f, 0.0)
+        v = tl.load(V + rows[:, None] * LV + offs_v[None, :], mask=keep[:, None] & v_ok[None, :], other=0.0)
+        s += _dot(tl.trans(fk), v, OPF, PF, EMU, ACC)  # [BK, BV]
+        z += tl.sum(fk, 0)
+    tl.store(S1 + bh * D * LV + sd, s, mask=sok)
+    tl.store(Z1 + bh * D + offs_k, z, mask=zok)
 
 
-@triton.jit
-def noncausal_fwd_kernel(
+@_jit
+def out_fwd_kernel(
     FQ,
     XQ,
     RQ,
@@ -464,105 +367,287 @@ def noncausal_fwd_kernel(
     W,
     PH,
     V,
-    MASK,
+    QP,
+    KD,
+    MQ,
+    MK,
+    MC,
+    H,
+    HZ,
     NUM,
     DEN,
-    H,
-    N,
-    M,
+    R,
     D,
     E,
     DV,
+    LD,
+    LE,
+    LV,
+    NC,
+    NCH,
+    causal,
     FEAT: tl.constexpr,
-    LOG: tl.constexpr,
-    HAS_MASK: tl.constexpr,
     ACC: tl.constexpr,
-    PREC: tl.constexpr,
+    OPX: tl.constexpr,
+    PX: tl.constexpr,
+    OPF: tl.constexpr,
+    PF: tl.constexpr,
+    OPS: tl.constexpr,
+    PS: tl.constexpr,
+    EMU: tl.constexpr,
     BT: tl.constexpr,
-    BD: tl.constexpr,
+    BK: tl.constexpr,
     BE: tl.constexpr,
     BV: tl.constexpr,
 ):
-    bh = tl.program_id(0).to(tl.int64)
-    pv = tl.program_id(1)
-    b = bh // H
-    if FEAT != 0:
-        W = _load_w(W, D, E, ACC, BD, BE)
+    """Numerator ``[BT, BV]`` and denominator of the ``R`` query rows of one chunk: the
+    state term (``H`` holds ``NCH`` states per head: one per chunk, or the non-causal sum)
+    and, causal, the in-chunk term. Poisoned rows (``QP``) are NaN."""
+    LD = LD // 16 * 16  # row strides: multiples of 16 (the host pads), which the compiler now knows
+    LE = LE // 16 * 16
+    LV = LV // 16 * 16
+    LOG: tl.constexpr = FEAT == 1 or FEAT == 2
+    pv = tl.program_id(0)
+    c = tl.program_id(1)
+    bh = tl.program_id(2).to(tl.int64)
+    rows = c * BT + tl.arange(0, BT)
+    r_ok = rows < R
     offs_v = pv * BV + tl.arange(0, BV)
-    v_ok = offs_v < DV
-    s, z, _ = _kv_state(
-        FK, XK, RK, W, PH, V, MASK, bh, b, M, D, E, DV, offs_v, v_ok, FEAT, LOG, HAS_MASK, ACC, PREC, BT, BD, BE, BV
-    )
-    for t0 in range(0, N, BT):
-        offs_t = t0 + tl.arange(0, BT)
-        t_ok = offs_t < N
-        fq = _query_side(_raw(FQ, XQ, RQ, W, PH, bh, offs_t, t_ok, N, D, E, FEAT, ACC, BD, BE, PREC), t_ok, D, LOG, BD)
-        num = tl.dot(fq, s, input_precision=PREC, out_dtype=ACC)
-        den = tl.sum(fq * z[None, :], 1)
-        tl.store(NUM + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :], num, mask=t_ok[:, None] & v_ok[None, :])
-        tl.store(DEN + bh * N + offs_t, den, mask=offs_t < tl.where(pv == 0, N, 0))
+    v_ok = offs_v < LV  # zeros past d_v (the host pads)
+    FQ += bh * R * LD
+    XQ += bh * R * LE
+    RQ += bh * R
+    FK += bh * R * LD
+    XK += bh * R * LE
+    RK += bh * R
+    V += bh * R * LV
+    hc = bh * NCH + tl.minimum(c, NCH - 1)
+    poisoned = tl.load(QP + bh * R + rows, mask=r_ok, other=1) != 0
+    qkeep = r_ok & ~poisoned
+    mq = tl.load(MQ + bh * R + rows, mask=r_ok, other=0.0).to(ACC)
+    c_ok = r_ok & _on(rows, causal)  # key-side rows exist (N = M) only in causal calls
+    kkeep = (tl.load(KD + bh * R + rows, mask=c_ok, other=1) == 0) & c_ok
+    mt = tl.load(MK + bh * R + rows, mask=c_ok, other=FLOOR).to(ACC)
+    o = tl.zeros([BT, BV], dtype=ACC)
+    den = tl.zeros([BT], dtype=ACC)
+    a = tl.zeros([BT, BT], dtype=ACC)
+    for k0 in range(0, D, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        k_ok = offs_k < D
+        f, _ = _features(FQ, XQ, RQ, W, PH, rows, r_ok, k0, D, E, LD, LE, FEAT, ACC, OPX, PX, EMU, BT, BK, BE)
+        fq = _hat(f, mq, qkeep[:, None] & k_ok[None, :], LOG)  # [BT, BK]
+        sd = offs_k[:, None] * LV + offs_v[None, :]
+        s = tl.load(H + hc * D * LV + sd, mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        z = tl.load(HZ + hc * D + offs_k, mask=k_ok, other=0.0).to(ACC)
+        o += _dot(fq, s, OPS, PS, EMU, ACC)
+        den += tl.sum(fq * z[None, :], 1)
+        if causal != 0:
+            g, _ = _features(FK, XK, RK, W, PH, rows, r_ok, k0, D, E, LD, LE, FEAT, ACC, OPX, PX, EMU, BT, BK, BE)
+            fk = _hat(g, mt, kkeep[:, None] & k_ok[None, :], LOG)
+            a += _dot(fq, tl.trans(fk), OPF, PF, EMU, ACC)  # [t, j]
+    if causal != 0:
+        if LOG:
+            past = tl.exp(tl.minimum(tl.load(MC + bh * NC + c).to(ACC) - mt, 0.0))  # e^{M_{c-1} - m_t}
+            o = o * past[:, None]
+            den = den * past
+        a = a * _gate(mt, rows, r_ok, LOG)
+        v = tl.load(V + rows[:, None] * LV + offs_v[None, :], mask=kkeep[:, None] & v_ok[None, :], other=0.0)
+        o += _dot(a, v, OPF, PF, EMU, ACC)
+        den += tl.sum(a, 1)
+    o = tl.where(poisoned[:, None], float("nan"), o)
+    den = tl.where(poisoned, float("nan"), den)
+    tl.store(NUM + bh * R * LV + rows[:, None] * LV + offs_v[None, :], o, mask=r_ok[:, None] & v_ok[None, :])
+    tl.store(DEN + bh * R + rows, den, mask=rows < tl.where(pv == 0, R, 0))
 
 
-@triton.jit
-def _kv_state(
+# ------------------------------------------------------------------------------ backward
+@_jit
+def state_bwd_kernel(
+    FQ,
+    XQ,
+    RQ,
+    W,
+    PH,
+    QP,
+    MQ,
+    MK,
+    MC,
+    DNUM,
+    DDEN,
+    DS1,
+    DZ1,
+    DH,
+    DHZ,
+    DS0,
+    DZ0,
+    R,
+    D,
+    E,
+    DV,
+    LD,
+    LE,
+    LV,
+    NC,
+    causal,
+    FEAT: tl.constexpr,
+    ACC: tl.constexpr,
+    OPX: tl.constexpr,
+    PX: tl.constexpr,
+    OPS: tl.constexpr,
+    PS: tl.constexpr,
+    EMU: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BE: tl.constexpr,
+    BV: tl.constexpr,
+):
+    """The reverse state pass: from the final state's gradient ``(DS1, DZ1)``, the gradient
+    :math:`\\bar S_{c+1}` of the state leaving each chunk (``DH``, ``DHZ``, causal) and the
+    initial state's (``DS0``, ``DZ0``; non-causal: :math:`\\sum_t \\hat q_t \\bar o_t^\\top`)."""
+    LD = LD // 16 * 16  # row strides: multiples of 16 (the host pads), which the compiler now knows
+    LE = LE // 16 * 16
+    LV = LV // 16 * 16
+    LOG: tl.constexpr = FEAT == 1 or FEAT == 2
+    pk = tl.program_id(0)
+    pv = tl.program_id(1)
+    bh = tl.program_id(2).to(tl.int64)
+    offs_k = pk * BK + tl.arange(0, BK)
+    k_ok = offs_k < D
+    offs_v = pv * BV + tl.arange(0, BV)
+    v_ok = offs_v < LV  # zeros past d_v (the host pads)
+    sd = offs_k[:, None] * LV + offs_v[None, :]
+    sok = k_ok[:, None] & v_ok[None, :]
+    zok = offs_k < tl.where(pv == 0, D, 0)
+    FQ += bh * R * LD
+    XQ += bh * R * LE
+    RQ += bh * R
+    MK += bh * R
+    ds = tl.load(DS1 + bh * D * LV + sd, mask=sok, other=0.0).to(ACC)
+    dz = tl.load(DZ1 + bh * D + offs_k, mask=k_ok, other=0.0).to(ACC)
+    for i in range(0, NC):
+        c = NC - 1 - i
+        if causal != 0:
+            tl.store(DH + (bh * NC + c) * D * LV + sd, ds.to(DH.dtype.element_ty), mask=sok)
+            tl.store(DHZ + (bh * NC + c) * D + offs_k, dz, mask=zok)
+        rows = c * BT + tl.arange(0, BT)
+        r_ok = rows < R
+        qkeep = (tl.load(QP + bh * R + rows, mask=r_ok, other=1) == 0) & r_ok
+        mq = tl.load(MQ + bh * R + rows, mask=r_ok, other=0.0).to(ACC)
+        f, _ = _features(FQ, XQ, RQ, W, PH, rows, r_ok, pk * BK, D, E, LD, LE, FEAT, ACC, OPX, PX, EMU, BT, BK, BE)
+        fq = _hat(f, mq, qkeep[:, None] & k_ok[None, :], LOG)
+        dn = tl.load(
+            DNUM + bh * R * LV + rows[:, None] * LV + offs_v[None, :], mask=qkeep[:, None] & v_ok[None, :], other=0.0
+        ).to(ACC)
+        dd = tl.load(DDEN + bh * R + rows, mask=qkeep, other=0.0).to(ACC)
+        if LOG:
+            if causal != 0:
+                mt = tl.load(MK + rows, mask=r_ok, other=FLOOR).to(ACC)
+                m_prev = tl.load(MC + bh * NC + c).to(ACC)
+                fq = fq * tl.exp(tl.minimum(m_prev - mt, 0.0))[:, None]  # e^{M_{c-1} - m_t}
+                decay = tl.exp(tl.minimum(m_prev - _last_m(MK, c, R, BT), 0.0))
+                ds = ds * decay
+                dz = dz * decay
+        ds += _dot(tl.trans(fq), dn, OPS, PS, EMU, ACC)
+        dz += tl.sum(fq * dd[:, None], 0)
+    tl.store(DS0 + bh * D * LV + sd, ds, mask=sok)
+    tl.store(DZ0 + bh * D + offs_k, dz, mask=zok)
+
+
+@_jit
+def bwd_dv_kernel(
+    FQ,
+    XQ,
+    RQ,
     FK,
     XK,
     RK,
     W,
     PH,
-    V,
-    MASK,
-    bh,
-    b,
-    M,
+    QP,
+    KD,
+    MQ,
+    MK,
+    DH,
+    DNUM,
+    DVV,
+    R,
     D,
     E,
     DV,
-    offs_v,
-    v_ok,
+    LD,
+    LE,
+    LV,
+    NCH,
+    causal,
     FEAT: tl.constexpr,
-    LOG: tl.constexpr,
-    HAS_MASK: tl.constexpr,
     ACC: tl.constexpr,
-    PREC: tl.constexpr,
+    OPX: tl.constexpr,
+    PX: tl.constexpr,
+    OPF: tl.constexpr,
+    PF: tl.constexpr,
+    OPS: tl.constexpr,
+    PS: tl.constexpr,
+    EMU: tl.constexpr,
     BT: tl.constexpr,
-    BD: tl.constexpr,
+    BK: tl.constexpr,
     BE: tl.constexpr,
     BV: tl.constexpr,
 ):
-    """:math:`S = \\sum_j e^{l_{k,j} - c} v_j^\\top`, :math:`z`, and :math:`c`, the maximum over
-    all valid keys, in one pass (the sums are restated when the maximum grows)."""
-    d_ok = tl.arange(0, BD) < D
-    s = tl.zeros([BD, BV], dtype=ACC)
-    z = tl.zeros([BD], dtype=ACC)
-    c = tl.zeros([1], dtype=ACC) + FLOOR
-    for t0 in range(0, M, BT):
-        offs_t = t0 + tl.arange(0, BT)
-        t_ok = offs_t < M
-        valid = _valid_keys(MASK, b, M, offs_t, t_ok, HAS_MASK)
-        lk = _raw(FK, XK, RK, W, PH, bh, offs_t, t_ok, M, D, E, FEAT, ACC, BD, BE, PREC)
-        ok = valid[:, None] & d_ok[None, :]
-        v = tl.load(
-            V + bh * M * DV + offs_t[:, None] * DV + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :], other=0.0
-        ).to(ACC)
-        v = tl.where(valid[:, None], v, 0.0)
+    """Value gradients of the ``R`` key rows of one chunk:
+    :math:`\\bar v = P^\\top \\overline{\\mathrm{num}} + e^{m_j - M_c} \\hat k \\bar S_{c+1}`."""
+    LD = LD // 16 * 16  # row strides: multiples of 16 (the host pads), which the compiler now knows
+    LE = LE // 16 * 16
+    LV = LV // 16 * 16
+    LOG: tl.constexpr = FEAT == 1 or FEAT == 2
+    pv = tl.program_id(0)
+    c = tl.program_id(1)
+    bh = tl.program_id(2).to(tl.int64)
+    rows = c * BT + tl.arange(0, BT)
+    r_ok = rows < R
+    offs_v = pv * BV + tl.arange(0, BV)
+    v_ok = offs_v < LV  # zeros past d_v (the host pads)
+    FQ += bh * R * LD
+    XQ += bh * R * LE
+    RQ += bh * R
+    FK += bh * R * LD
+    XK += bh * R * LE
+    RK += bh * R
+    MK += bh * R
+    hc = bh * NCH + tl.minimum(c, NCH - 1)
+    c_ok = r_ok & _on(rows, causal)  # query-side rows exist (N = M) only in causal calls
+    kkeep = (tl.load(KD + bh * R + rows, mask=r_ok, other=1) == 0) & r_ok
+    qkeep = (tl.load(QP + bh * R + rows, mask=c_ok, other=1) == 0) & c_ok
+    mt = tl.load(MK + rows, mask=r_ok, other=FLOOR).to(ACC)
+    mq = tl.load(MQ + bh * R + rows, mask=c_ok, other=0.0).to(ACC)
+    dv = tl.zeros([BT, BV], dtype=ACC)
+    p = tl.zeros([BT, BT], dtype=ACC)
+    for k0 in range(0, D, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        k_ok = offs_k < D
+        g, _ = _features(FK, XK, RK, W, PH, rows, r_ok, k0, D, E, LD, LE, FEAT, ACC, OPX, PX, EMU, BT, BK, BE)
+        fk = _hat(g, mt, kkeep[:, None] & k_ok[None, :], LOG)
+        ds = tl.load(
+            DH + hc * D * LV + offs_k[:, None] * LV + offs_v[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0
+        )
+        dv += _dot(fk, ds, OPS, PS, EMU, ACC)
+        if causal != 0:
+            f, _ = _features(FQ, XQ, RQ, W, PH, rows, r_ok, k0, D, E, LD, LE, FEAT, ACC, OPX, PX, EMU, BT, BK, BE)
+            fq = _hat(f, mq, qkeep[:, None] & k_ok[None, :], LOG)
+            p += _dot(fq, tl.trans(fk), OPF, PF, EMU, ACC)  # [t, j]
+    if causal != 0:
         if LOG:
-            lk = tl.where(ok, lk, float("-inf"))
-            c_new = tl.maximum(c, tl.max(tl.max(lk, 1), 0, keep_dims=True))
-            fk = tl.where(ok, tl.exp(lk - c_new), 0.0)
-            decay = tl.exp(tl.minimum(c - c_new, 0.0))
-            s = s * decay[:, None]
-            z = z * decay
-            c = c_new
-        else:
-            fk = tl.where(ok, lk, 0.0)
-        s += tl.dot(tl.trans(fk), v, input_precision=PREC, out_dtype=ACC)
-        z += tl.sum(fk, 0)
-    return s, z, c
+            dv = dv * tl.exp(tl.minimum(mt - _last_m(MK, c, R, BT), 0.0))[:, None]  # e^{m_j - M_c}
+        p = p * _gate(mt, rows, r_ok, LOG)
+        dn = tl.load(
+            DNUM + bh * R * LV + rows[:, None] * LV + offs_v[None, :], mask=qkeep[:, None] & v_ok[None, :], other=0.0
+        )
+        dv += _dot(tl.trans(p), dn, OPS, PS, EMU, ACC)
+    dv = tl.where(kkeep[:, None], dv, 0.0)
+    tl.store(DVV + bh * R * LV + rows[:, None] * LV + offs_v[None, :], dv, mask=r_ok[:, None] & v_ok[None, :])
 
 
-@triton.jit
-def noncausal_bwd_kernel(
+@_jit
+def bwd_dqk_kernel(
     FQ,
     XQ,
     RQ,
@@ -572,91 +657,170 @@ def noncausal_bwd_kernel(
     W,
     PH,
     V,
-    MASK,
+    QP,
+    KD,
+    MQ,
+    MK,
+    MC,
+    H,
+    HZ,
     DNUM,
     DDEN,
-    DFQ,
-    DXQ,
-    DRQ,
-    DFK,
-    DXK,
-    DRK,
-    DVV,
-    H,
-    N,
-    M,
+    DF,
+    DX,
+    DROW,
+    R,
     D,
     E,
     DV,
+    LD,
+    LE,
+    LV,
+    NC,
+    NCH,
+    causal,
+    SIDE: tl.constexpr,
     FEAT: tl.constexpr,
-    LOG: tl.constexpr,
-    HAS_MASK: tl.constexpr,
     ACC: tl.constexpr,
-    PREC: tl.constexpr,
+    OPX: tl.constexpr,
+    PX: tl.constexpr,
+    OPS: tl.constexpr,
+    PS: tl.constexpr,
+    EMU: tl.constexpr,
     BT: tl.constexpr,
-    BD: tl.constexpr,
+    BK: tl.constexpr,
     BE: tl.constexpr,
     BV: tl.constexpr,
 ):
-    bh = tl.program_id(0).to(tl.int64)
-    pv = tl.program_id(1)
-    slot = pv.to(tl.int64) * tl.num_programs(0)
-    b = bh // H
-    if FEAT != 0:
-        W = _load_w(W, D, E, ACC, BD, BE)
-    offs_d = tl.arange(0, BD)
-    d_ok = offs_d < D
-    offs_v = pv * BV + tl.arange(0, BV)
-    v_ok = offs_v < DV
-    first = pv == 0
-    s, z, c = _kv_state(
-        FK, XK, RK, W, PH, V, MASK, bh, b, M, D, E, DV, offs_v, v_ok, FEAT, LOG, HAS_MASK, ACC, PREC, BT, BD, BE, BV
-    )
-    ds = tl.zeros([BD, BV], dtype=ACC)
-    dz = tl.zeros([BD], dtype=ACC)
-    for t0 in range(0, N, BT):
-        offs_t = t0 + tl.arange(0, BT)
-        t_ok = offs_t < N
-        fq = _query_side(_raw(FQ, XQ, RQ, W, PH, bh, offs_t, t_ok, N, D, E, FEAT, ACC, BD, BE, PREC), t_ok, D, LOG, BD)
-        dnum = tl.load(
-            DNUM + bh * N * DV + offs_t[:, None] * DV + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :], other=0.0
-        ).to(ACC)
-        dden = tl.load(DDEN + bh * N + offs_t, mask=offs_t < tl.where(first, N, 0), other=0.0).to(ACC)
-        dfq = tl.dot(dnum, tl.trans(s), input_precision=PREC, out_dtype=ACC) + dden[:, None] * z[None, :]
+    """Gradients of the query (``SIDE = 0``; ``H`` the states :math:`S_c`) or key
+    (``SIDE = 1``; ``H`` the gradients :math:`\\bar S_{c+1}`) features of one chunk's
+    ``R`` rows, written as they are (``DF``) or chained to ``x'`` (``DX``, the ``d'``
+    block of this program) and the row term (``DROW``)."""
+    LD = LD // 16 * 16  # row strides: multiples of 16 (the host pads), which the compiler now knows
+    LE = LE // 16 * 16
+    LV = LV // 16 * 16
+    LOG: tl.constexpr = FEAT == 1 or FEAT == 2
+    pe = tl.program_id(0)
+    c = tl.program_id(1)
+    bh = tl.program_id(2).to(tl.int64)
+    rows = c * BT + tl.arange(0, BT)
+    r_ok = rows < R
+    FQ += bh * R * LD
+    XQ += bh * R * LE
+    RQ += bh * R
+    FK += bh * R * LD
+    XK += bh * R * LE
+    RK += bh * R
+    V += bh * R * LV
+    DNUM += bh * R * LV
+    MK += bh * R
+    hc = bh * NCH + tl.minimum(c, NCH - 1)
+    # the other side's rows exist (N = M) only in causal calls
+    q_ok = r_ok & _on(rows, causal + (SIDE == 0))
+    k_ok_rows = r_ok & _on(rows, causal + (SIDE == 1))
+    qkeep = (tl.load(QP + bh * R + rows, mask=q_ok, other=1) == 0) & q_ok
+    kkeep = (tl.load(KD + bh * R + rows, mask=k_ok_rows, other=1) == 0) & k_ok_rows
+    mq = tl.load(MQ + bh * R + rows, mask=q_ok, other=0.0).to(ACC)
+    mt = tl.load(MK + rows, mask=k_ok_rows, other=FLOOR).to(ACC)
+    dd = tl.load(DDEN + bh * R + rows, mask=qkeep, other=0.0).to(ACC)
+    # the in-chunk gradient dP [t, j] = (dnum_t . v_j + dden_t) G_tj, over every d_v block
+    dp = tl.zeros([BT, BT], dtype=ACC)
+    scale = tl.zeros([BT], dtype=ACC) + 1.0  # of the state term: e^{M_{c-1} - m_t} or e^{m_j - M_c}
+    if causal != 0:
+        for v0 in range(0, DV, BV):
+            offs_v = v0 + tl.arange(0, BV)
+            v_ok = offs_v < LV  # zeros past d_v (the host pads)
+            dn = tl.load(DNUM + rows[:, None] * LV + offs_v[None, :], mask=qkeep[:, None] & v_ok[None, :], other=0.0)
+            v = tl.load(V + rows[:, None] * LV + offs_v[None, :], mask=kkeep[:, None] & v_ok[None, :], other=0.0)
+            dp += _dot(dn, tl.trans(v), OPS, PS, EMU, ACC)
+        dp = (dp + dd[:, None]) * _gate(mt, rows, r_ok, LOG)
         if LOG:
-            dfq = dfq * fq
-        _raw_grad(dfq, DFQ, DXQ, DRQ, XQ, RQ, W, PH, slot, bh, offs_t, t_ok, N, D, E, FEAT, ACC, BD, BE, PREC)
-        ds += tl.dot(tl.trans(fq), dnum, input_precision=PREC, out_dtype=ACC)
-        dz += tl.sum(fq * dden[:, None], 0)
-    for t0 in range(0, M, BT):
-        offs_t = t0 + tl.arange(0, BT)
-        t_ok = offs_t < M
-        valid = _valid_keys(MASK, b, M, offs_t, t_ok, HAS_MASK)
-        lk = _raw(FK, XK, RK, W, PH, bh, offs_t, t_ok, M, D, E, FEAT, ACC, BD, BE, PREC)
-        ok = valid[:, None] & d_ok[None, :]
-        if LOG:
-            fk = tl.where(ok, tl.exp(tl.minimum(tl.where(ok, lk, float("-inf")) - c, 0.0)), 0.0)
+            if SIDE == 0:
+                scale = tl.exp(tl.minimum(tl.load(MC + bh * NC + c).to(ACC) - mt, 0.0))
+            else:
+                scale = tl.exp(tl.minimum(mt - _last_m(MK, c, R, BT), 0.0))
+    offs_e = pe * BE + tl.arange(0, BE)
+    e_ok = offs_e < LE
+    dx = tl.zeros([BT, BE], dtype=ACC)
+    drow = tl.zeros([BT], dtype=ACC)
+    if SIDE == 0:
+        keep = qkeep
+        m_own = mq
+    else:
+        keep = kkeep
+        m_own = mt
+    for k0 in range(0, D, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        k_ok = offs_k < D
+        ok = keep[:, None] & k_ok[None, :]
+        # the state term: dnum S^T + dden z (queries) or v dS^T + dz (keys)
+        g = tl.zeros([BT, BK], dtype=ACC)
+        for v0 in range(0, DV, BV):
+            offs_v = v0 + tl.arange(0, BV)
+            v_ok = offs_v < LV  # zeros past d_v (the host pads)
+            s = tl.load(
+                H + hc * D * LV + offs_k[:, None] * LV + offs_v[None, :],
+                mask=k_ok[:, None] & v_ok[None, :],
+                other=0.0,
+            )
+            if SIDE == 0:
+                rhs = tl.load(
+                    DNUM + rows[:, None] * LV + offs_v[None, :], mask=qkeep[:, None] & v_ok[None, :], other=0.0
+                )
+            else:
+                rhs = tl.load(V + rows[:, None] * LV + offs_v[None, :], mask=kkeep[:, None] & v_ok[None, :], other=0.0)
+            g += _dot(rhs, tl.trans(s), OPS, PS, EMU, ACC)
+        z = tl.load(HZ + hc * D + offs_k, mask=k_ok, other=0.0).to(ACC)
+        if SIDE == 0:
+            g += dd[:, None] * z[None, :]
         else:
-            fk = tl.where(ok, lk, 0.0)
-        v = tl.load(
-            V + bh * M * DV + offs_t[:, None] * DV + offs_v[None, :], mask=t_ok[:, None] & v_ok[None, :], other=0.0
-        ).to(ACC)
-        v = tl.where(valid[:, None], v, 0.0)
-        dv = tl.where(valid[:, None], tl.dot(fk, ds, input_precision=PREC, out_dtype=ACC), 0.0)
-        tl.store(DVV + bh * M * DV + offs_t[:, None] * DV + offs_v[None, :], dv, mask=t_ok[:, None] & v_ok[None, :])
-        dfk = tl.dot(v, tl.trans(ds), input_precision=PREC, out_dtype=ACC) + dz[None, :]
+            g += z[None, :]
+        g = g * scale[:, None]
+        if causal != 0:  # the in-chunk term: dP k (queries) or dP^T q (keys)
+            if SIDE == 0:
+                h, _ = _features(FK, XK, RK, W, PH, rows, r_ok, k0, D, E, LD, LE, FEAT, ACC, OPX, PX, EMU, BT, BK, BE)
+                other = _hat(h, mt, kkeep[:, None] & k_ok[None, :], LOG)
+                g += _dot(dp, other, OPS, PS, EMU, ACC)
+            else:
+                h, _ = _features(FQ, XQ, RQ, W, PH, rows, r_ok, k0, D, E, LD, LE, FEAT, ACC, OPX, PX, EMU, BT, BK, BE)
+                other = _hat(h, mq, qkeep[:, None] & k_ok[None, :], LOG)
+                g += _dot(tl.trans(dp), other, OPS, PS, EMU, ACC)
+        if SIDE == 0:
+            f, ang = _features(FQ, XQ, RQ, W, PH, rows, r_ok, k0, D, E, LD, LE, FEAT, ACC, OPX, PX, EMU, BT, BK, BE)
+        else:
+            f, ang = _features(FK, XK, RK, W, PH, rows, r_ok, k0, D, E, LD, LE, FEAT, ACC, OPX, PX, EMU, BT, BK, BE)
         if LOG:
-            dfk = dfk * fk
-        dfk = tl.where(valid[:, None], dfk, 0.0)
-        _raw_grad(dfk, DFK, DXK, DRK, XK, RK, W, PH, slot, bh, offs_t, t_ok, M, D, E, FEAT, ACC, BD, BE, PREC)
+            g = g * _hat(f, m_own, ok, LOG)  # d l = d(hat) * hat
+        g = tl.where(ok, g, 0.0)
+        if FEAT <= 1:
+            tl.store(
+                DF + bh * R * LD + rows[:, None] * LD + offs_k[None, :], g, mask=r_ok[:, None] & (offs_k < LD)[None, :]
+            )
+        else:
+            if FEAT == 2:
+                du = g
+                drow += tl.sum(g, 1)
+            else:
+                if SIDE == 0:
+                    row = tl.load(RQ + rows, mask=keep, other=0.0).to(ACC)
+                else:
+                    row = tl.load(RK + rows, mask=keep, other=0.0).to(ACC)
+                du = tl.where(ok, -row[:, None] * tl.sin(ang) * g, 0.0)
+                drow += tl.sum(tl.where(ok, tl.cos(ang) * g, 0.0), 1)
+            w = tl.load(W + offs_k[:, None] * LE + offs_e[None, :], mask=k_ok[:, None] & e_ok[None, :], other=0.0)
+            dx += _dot(du, w, OPS, PS, EMU, ACC)  # [BT, BE]
+    if FEAT >= 2:
+        tl.store(DX + bh * R * LE + rows[:, None] * LE + offs_e[None, :], dx, mask=r_ok[:, None] & e_ok[None, :])
+        tl.store(DROW + bh * R + rows, drow, mask=rows < tl.where(pe == 0, R, 0))
 
 
-__all__ = [
-    "FLOOR",
-    "FLOOR_VALUE",
-    "causal_bwd_kernel",
-    "causal_fwd_kernel",
-    "noncausal_bwd_kernel",
-    "noncausal_fwd_kernel",
-    "triton",
-]
+KERNELS = {
+    "prep": prep_kernel,
+    "state_fwd": state_fwd_kernel,
+    "out_fwd": out_fwd_kernel,
+    "state_bwd": state_bwd_kernel,
+    "bwd_dv": bwd_dv_kernel,
+    "bwd_dqk": bwd_dqk_kernel,
+}
+
+__all__ = ["FLOOR", "FLOOR_VALUE", "KERNELS", "triton"]
