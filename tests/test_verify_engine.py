@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from pathlib import Path
 
 import pytest
 
@@ -192,6 +193,29 @@ def test_every_plugin_estimator_and_feature_map_has_a_claim_on_non_default_optio
     finally:
         registry_module._REGISTRY = saved
     assert not missing, f"no claim reads a non-default option of: {missing}"
+
+
+def test_the_claim_count_table_is_current() -> None:
+    """docs/_generated/claim_counts.inc (the counts of docs/spec/claims.rst) is what the
+    installed plugins declare; the counts are of real checks: a grid adds checks at full
+    level only, and a declared negative control is counted as one."""
+    from kernelattn_core.verify import inventory
+
+    for module in ("kernelattn_prf", "kernelattn_fourier", "kernelattn_hybrid", "kernelattn_maclaurin"):
+        pytest.importorskip(module)
+    pytest.importorskip("kernelattn_sampling")
+    pytest.importorskip("kernelattn_spectral")
+    registry = ka.Registry(autoload=True)
+    quick, full = inventory.claim_counts("quick", registry=registry), inventory.claim_counts("full", registry=registry)
+    # the counts are plan()'s: every check verify runs on the shipped plugins, grids expanded
+    shipped = [p.name for p in registry.plugins() if p.name in inventory.SHIPPED]
+    assert full.total() == len(plan(shipped, registry, "full")) > quick.total() == len(plan(shipped, registry, "quick"))
+    assert full.total("hybrid", "EN") > quick.total("hybrid", "EN")  # sliding-window's window modes at full only
+    assert full.total(family="AT", controls=True) >= 1 and full.total("builtins", "AT") == 0
+    table = Path(__file__).resolve().parents[1] / "docs" / "_generated" / inventory.TABLE_FILE.name  # the checkout's
+    assert table.read_text() == inventory.render(registry), (
+        f"{table} is not what the installed plugins declare; rewrite it with python -m kernelattn_core.verify.inventory"
+    )
 
 
 # --------------------------------------------------------------------------- command line

@@ -161,6 +161,9 @@ def _consistency_claims() -> dict[str, tuple[Any, ...]]:
         # check rejects it at full level, limit z 7.5); its self-normalised sampling path is
         # claimed on the reduction to RFA (standard-normal proposals, constant weights), whose
         # bias falls at least as D^-0.4 over 2..16 proposals at N = 16. Draws are per batch row.
+        # (No grid: r_axis and beta, which a grid point once set, are not read with constant
+        # weights, so that point checked the same estimator twice.) Its power at full level,
+        # 0.037, falls short of 0.02: see tests/test_verify_power.py and docs/spec/claims.rst.
         "lara": (
             ConsistentAttention(
                 biased_at_finite_budget=True,
@@ -169,7 +172,6 @@ def _consistency_claims() -> dict[str, tuple[Any, ...]]:
                 order=0.4,
                 independent_rows=True,
                 options={"proposal": "standard-normal", "weighting": "constant"},
-                grid=({"proposal": "standard-normal", "weighting": "constant", "r_axis": "landmark", "beta": 0.5},),
             ),
         ),
         # ra-biased: with the released code's noise scale as well, the mean index replaces the
