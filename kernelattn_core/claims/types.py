@@ -382,7 +382,9 @@ class ConsistentAttention(Claim):
       side of the bias left at the largest budget fails: that is what an estimator that
       converges to another limit leaves, however small its variance. The smallest limit
       bias detected with probability 0.95 is printed (``min_detectable_limit_bias``: the
-      same shift of every element; ``..._one_element``: on the most sensitive one alone).
+      same shift of every element, caught by the test of the mean or by that of the most
+      sensitive element, whichever needs less; ``..._mean``: by the mean's test alone;
+      ``..._any_element``: a shift of one element only, the least sensitive one).
     * **error.** The mean squared error falls: the slope of its logarithm in
       :math:`\\log D` is negative and the largest budget at least halves it.
     * **bias at the smallest budget** (``biased_at_finite_budget``): ``True`` says it is
