@@ -3,7 +3,10 @@
 ``python docs/tasks_tables.py docs/_static/tasks`` reads ``seeds.json`` and ``zoology.json``
 there (whichever exist) and writes the CSV files that the page includes with
 ``.. csv-table::``: ``seeds_table.csv`` (the papers' Table 2 layout), ``seeds_rows.csv`` and
-``zoology_rows.csv`` (one row per task, estimator and budget).
+``zoology_rows.csv`` (one row per task, estimator and budget) and ``seeds_papers.csv``
+(the ListOps accuracy measured here beside the LRA ListOps accuracy each source paper prints,
+copied from ``../shared/specs``: SchoenbAt and Macformer Table 2, the KL-Transformer's Table 2,
+LARA's Table 9; the CEXP paper has no numeric table).
 """
 
 from __future__ import annotations
@@ -78,6 +81,38 @@ def rows_table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
     return list(ROW_COLUMNS), out
 
 
+#: LRA ListOps test accuracy (%) as printed, per estimator of this package (the paper's row
+#: name in the comment). Sources: ../shared/specs/000_schoenbat.md (Table 2),
+#: 001_macformer.md (Table 2), 002_learning_kernel.md (Table 2), 003_lara.md (Table 9).
+PAPERS: dict[str, dict[str, float]] = {
+    "exact": {"SchoenbAt T2": 37.30, "Macformer T2": 37.30, "KL-Transformer T2": 36.38, "LARA T9": 38.76},
+    "prf": {"SchoenbAt T2": 18.80, "KL-Transformer T2": 36.00, "LARA T9": 37.20},  # Performer
+    "rfa": {"SchoenbAt T2": 37.15, "Macformer T2": 37.15},  # RFA / Transformer_RFA
+    # Macformer_exp / SchoenbAt_exp: RMFA with the exp kernel inside ppSBN (rmfa is the
+    # ablation without ppSBN, which neither table prints)
+    "schoenbat": {"SchoenbAt T2": 38.21, "Macformer T2": 38.36},
+    "gmm-rks": {"KL-Transformer T2": 18.15},
+    "gmm-prf": {"KL-Transformer T2": 36.95},
+    "fastfood-prf": {"KL-Transformer T2": 37.25},
+    "generative-prf": {"KL-Transformer T2": 37.10},
+    "ra": {"LARA T9": 38.56},
+    "lara": {"LARA T9": 39.21},
+}
+PAPER_COLUMNS = ("SchoenbAt T2", "Macformer T2", "KL-Transformer T2", "LARA T9")
+
+
+def papers_table(records: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """ListOps accuracy (%) measured here beside the LRA ListOps accuracy the papers print."""
+    header = ["estimator", "here: ListOps quick", *(f"{c} (LRA ListOps)" for c in PAPER_COLUMNS)]
+    measured = {r["estimator"]: r for r in records if r["task"] == "listops"}
+    out = []
+    for name, r in measured.items():
+        acc = None if r.get("error") else r.get("accuracy")
+        paper = PAPERS.get(name, {})
+        out.append([name, _fmt(None if acc is None else 100 * acc), *(_fmt(paper.get(c), 2) for c in PAPER_COLUMNS)])
+    return header, out
+
+
 def write(path: Path, header: list[str], rows: list[list[str]]) -> None:
     with path.open("w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
@@ -95,6 +130,7 @@ def main(argv: list[str]) -> int:
         records = json.loads(src.read_text(encoding="utf-8"))
         if preset == "seeds":
             write(folder / "seeds_table.csv", *seeds_table(records))
+            write(folder / "seeds_papers.csv", *papers_table(records))
         write(folder / f"{preset}_rows.csv", *rows_table(records))
     return 0
 

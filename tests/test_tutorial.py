@@ -62,8 +62,12 @@ def test_kernelattn_verify_example(registry: ka.Registry, capsys: pytest.Capture
         "FM001",
         "FM004",
         "FM005",
-    }  # log space: positivity holds by construction (FM002 refused)
+        "EN001",  # implied for every feature map: the engine against the quadratic reference
+        "EN002",
+        "EN003",
+    }  # log space: positivity holds by construction (no FM002)
     assert all(r["verdict"] == "pass" for r in records)
+    assert registry.plugin_of("example-antithetic").spec == "1.1"  # its KERNELATTN_SPEC
 
 
 def test_conformance_kit_on_example(registry: ka.Registry) -> None:

@@ -25,10 +25,10 @@ Tasks (generated in-process from the seed, no downloads):
   induction       complete a repeated pattern (induction heads)
 
 By default: --task mqar, budget 64, seed 0, every estimator linear in the sequence length.
-At the quick scale one (task, estimator, budget, seed) takes 10-60 s on two cores; rows
+At the quick scale one (task, estimator, budget, seed) takes 10-150 s on two cores; rows
 stream as they finish. Presets:
   --preset seeds    the five source papers' estimators (+ hedgehog, sliding-window) on every
-                    task, in the layout of their Table 2 (about 30 min at the quick scale)
+                    task, in the layout of their Table 2 (about 55 min on 2 cores at the quick scale)
   --preset zoology  MQAR against the feature budget 16..256 for prf, hedgehog, elu and
                     sliding-window, two seeds (Zoology's Fig. 2 at CPU scale)
 """

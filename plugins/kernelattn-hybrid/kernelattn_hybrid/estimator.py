@@ -8,7 +8,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from kernelattn_core.claims import ConsistentAttention
 from kernelattn_core.engine.torch_backend import absorb_keys, compute_dtype
 from kernelattn_core.errors import InputError
 from kernelattn_core.interfaces.estimator import AttentionEstimator
@@ -17,6 +16,7 @@ from kernelattn_core.interfaces.state import StateOwner, check_state, check_stat
 from kernelattn_core.redraw import RedrawPolicy
 from kernelattn_core.validation import check_positive_int
 
+from .claims import SLIDING_WINDOW_CLAIMS
 from .window import WindowState, empty_window_state, window_attention_blocked, window_step_one, window_weights_rows
 
 #: smallest block length of the blocked computation (fewer, larger matmuls)
@@ -94,9 +94,9 @@ class SlidingWindowAttention(AttentionEstimator):
     random: ClassVar[bool] = False
     has_budget: ClassVar[bool] = True
     linear: ClassVar[bool] = True
-    #: with unbiased random features outside the window (``prf``), the error and the
-    #: bias of the self-normalised ratio shrink as the feature budget grows
-    claims: ClassVar[tuple[Any, ...]] = (ConsistentAttention(options={"window": 2, "feature_map": "prf"}),)
+    #: EN001 over every window mode, global tokens and maps; AT002 with and without global
+    #: tokens (declared in :mod:`kernelattn_hybrid.claims`)
+    claims: ClassVar[tuple[Any, ...]] = SLIDING_WINDOW_CLAIMS
 
     def __init__(
         self,
