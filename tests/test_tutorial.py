@@ -81,6 +81,8 @@ def test_conformance_kit_on_example(registry: ka.Registry) -> None:
 
 def test_example_in_kernel_attention(registry: ka.Registry) -> None:
     torch.manual_seed(0)
-    layer = ka.KernelAttention(64, 4, estimator="example-antithetic", num_features=32, redraw_every=100)
+    layer = ka.KernelAttention(
+        64, 4, estimator="example-antithetic", num_features=32, redraw_every=100, batch_first=True
+    )
     out, _ = layer(torch.randn(2, 128, 64))
     assert out.shape == (2, 128, 64) and torch.isfinite(out).all()

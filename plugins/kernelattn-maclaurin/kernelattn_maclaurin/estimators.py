@@ -206,7 +206,9 @@ class SchoenbAt(RMFA):
     Examples
     --------
     >>> import torch, kernelattn_core as ka
-    >>> attn = ka.KernelAttention(32, 4, estimator="schoenbat", num_features=64, kernel="logi", seed=0)
+    >>> attn = ka.KernelAttention(
+    ...     32, 4, estimator="schoenbat", num_features=64, kernel="logi", seed=0, batch_first=True
+    ... )
     >>> out, _ = attn(torch.randn(2, 10, 32))
     >>> out.shape
     torch.Size([2, 10, 32])
