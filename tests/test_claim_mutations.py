@@ -361,10 +361,10 @@ def _global_tokens_dropped(entry: Entry) -> Entry:
     """sliding-window: the blocked path forgets the global tokens (they enter through the
     features like any far key)."""
 
-    def _attend_finite(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+    def _attend_finite(self, q, k, v, causal, key_padding_mask, *args, **kwargs):  # type: ignore[no-untyped-def]
         saved, self.global_tokens = self.global_tokens, 0
         try:
-            return entry.cls._attend_finite(self, q, k, v, causal, key_padding_mask)
+            return entry.cls._attend_finite(self, q, k, v, causal, key_padding_mask, *args, **kwargs)
         finally:
             self.global_tokens = saved
 
