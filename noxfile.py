@@ -7,7 +7,9 @@ under ``plugins/`` as distributions, so tests go through real entry points.
 * ``tests``  — core and plugin test suites (claims at the quick level)
 * ``lint``   — ruff check and ruff format --check
 * ``docs``   — Sphinx, warnings as errors
-* ``formal`` — ``kernelattn verify --level full`` and the conformance kit at full level
+* ``formal`` — ``kernelattn verify --level full`` (every claim, every grid point) and AT002's
+  power at full level (``pytest -m formal``); the same claims run at quick level in ``tests``
+  (the plugins' conformance tests)
 * ``bench``  — pytest-benchmark (not default)
 * ``demo``   — installs everything and runs ``kernelattn compare`` (not default)
 * ``tasks``  — the task benchmarks of docs/tasks.rst: ``kernelattn tasks --preset seeds`` and
@@ -68,10 +70,12 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def formal(session: nox.Session) -> None:
-    """Every declared claim at the full level."""
+    """Every declared claim at the full level, then AT002's power: on every shipped
+    consistency claim, an estimator converging to softmax attention + 0.02 must fail."""
     install_all(session)
     session.install(TUTORIAL)
     session.run("kernelattn", "verify", "--level", "full", "--no-progress", *session.posargs)
+    session.run("pytest", "-m", "formal", "tests/test_verify_power.py", env={"OMP_NUM_THREADS": "2"})
 
 
 #: anchors of the engine benchmark, installed in the bench session only (torch stays pinned)

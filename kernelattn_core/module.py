@@ -73,8 +73,10 @@ class KernelAttention(nn.Module):
     causal : bool
         Default causal flag for :meth:`forward`.
     batch_first : bool
-        Inputs are ``[B, N, E]`` when true (the default here; note that
-        :class:`torch.nn.MultiheadAttention` defaults to ``False``), ``[N, B, E]`` otherwise.
+        Inputs are ``[B, N, E]`` when true, ``[N, B, E]`` when false (the default, as for
+        :class:`torch.nn.MultiheadAttention`, so that the module is a drop-in inside
+        ``nn.TransformerEncoderLayer(batch_first=False)``; it was ``True`` before, see the
+        changelog).
     bias : bool
         Bias in the projections.
     kdim, vdim : int, optional
@@ -87,8 +89,8 @@ class KernelAttention(nn.Module):
     Examples
     --------
     >>> import torch, kernelattn_core as ka
-    >>> attn = ka.KernelAttention(32, 4, estimator="elu")
-    >>> out, _ = attn(torch.randn(2, 10, 32))
+    >>> attn = ka.KernelAttention(32, 4, estimator="elu", batch_first=True)
+    >>> out, _ = attn(torch.randn(2, 10, 32))  # [B, N, E]
     >>> out.shape
     torch.Size([2, 10, 32])
     """
@@ -108,7 +110,7 @@ class KernelAttention(nn.Module):
         estimator: str = "softmax",
         *,
         causal: bool = False,
-        batch_first: bool = True,
+        batch_first: bool = False,
         bias: bool = True,
         kdim: int | None = None,
         vdim: int | None = None,

@@ -88,6 +88,8 @@ class PluginInfo:
     version: str | None = None
     entries: list[Entry] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    #: the spec version the plugin was written against (its ``KERNELATTN_SPEC``; "1.0" when absent)
+    spec: str = "1.0"
 
 
 def _truthy(value: str | None) -> bool:
@@ -130,7 +132,8 @@ class Registry:
         if builtins:
             from .builtins import plugin as builtin_plugin
 
-            self.register_plugin(builtin_plugin, "builtins", distribution="kernelattn-core", version=_version())
+            info = self.register_plugin(builtin_plugin, "builtins", distribution="kernelattn-core", version=_version())
+            info.spec = hookspecs.SPEC_VERSION  # the core's own classes follow its spec
         if autoload is None:
             autoload = not _truthy(os.environ.get("KERNELATTN_DISABLE_PLUGIN_AUTOLOAD"))
         if autoload:
@@ -171,6 +174,15 @@ class Registry:
         if name in self._plugins:
             raise PluginError(f"kernelattn plugin {name!r}: a plugin of that name is already registered")
         self._plugins[name] = info
+        spec = _required_spec(plugin)
+        if spec is None or not spec_compatible(spec):
+            self._problem(
+                name,
+                f"requires plugin spec {getattr(plugin, 'KERNELATTN_SPEC', None)!r} (KERNELATTN_SPEC), but this "
+                f"kernelattn-core provides spec {hookspecs.SPEC_VERSION} (same major version, minor not newer)",
+            )
+            return info
+        info.spec = spec
         try:
             self._pm.register(plugin, name=name)
         except Exception as exc:
@@ -305,6 +317,22 @@ class Registry:
     def plugin_of(self, name: str) -> PluginInfo:
         """The plugin that registered class ``name``."""
         return self._plugins[self.get(name).plugin]
+
+
+def _required_spec(plugin: object) -> str | None:
+    """The plugin's ``KERNELATTN_SPEC`` as ``"MAJOR.MINOR"`` ("1.0" when absent), or None if malformed."""
+    value = getattr(plugin, "KERNELATTN_SPEC", "1.0")
+    if not isinstance(value, str) or not re.fullmatch(r"\d+\.\d+", value):
+        return None
+    return value
+
+
+def spec_compatible(required: str, provided: str = hookspecs.SPEC_VERSION) -> bool:
+    """Whether a plugin written against spec ``required`` loads with a core providing
+    ``provided``: same major version, and the required minor version not newer."""
+    r_major, r_minor = (int(p) for p in required.split("."))
+    p_major, p_minor = (int(p) for p in provided.split("."))
+    return r_major == p_major and r_minor <= p_minor
 
 
 def _version() -> str | None:

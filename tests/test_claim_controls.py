@@ -1,6 +1,6 @@
-"""Declared negative controls (``expect="fail"`` as data) of KN001-KN003, KN005, KN006 and
-AT002: each is on a registered class, ``kernelattn verify`` runs it, the checker rejects it
-for the stated reason, and the same claim without the declared defect passes."""
+"""Declared negative controls (``expect="fail"`` as data) of KN001-KN003, KN005, KN006, AT002,
+EN001 and RT001: each is on a registered class, ``kernelattn verify`` runs it, the checker
+rejects it for the stated reason, and the same claim without the declared defect passes."""
 
 from __future__ import annotations
 
@@ -74,16 +74,44 @@ def test_kn006_negative_offset_polynomial_gram_matrix_is_indefinite() -> None:
 def test_at002_ra_biased_keeps_its_bias_as_the_budget_grows() -> None:
     pytest.importorskip("kernelattn_sampling")
     numbers = _rejected("ra-biased", "AT002")
-    # the stated reason: the bias at the largest budget is not below half the smallest's plus MC error
-    assert numbers["bias_rms_largest_budget"] > numbers["bias_rms_allowed_largest"]
-    assert numbers["mse_D64"] < numbers["mse_D4"]  # the variance falls; only the bias stays
+    # the stated reasons: the bias does not fall (slope about 0, not <= -1/2) and its
+    # extrapolated limit is far from zero; the variance falls, only the bias stays
+    assert set(numbers["failed"]) == {"limit", "slope"}
+    assert numbers["bias_slope"] > -0.1 and numbers["limit_bias_max_z"] > 3 * numbers["z_threshold"]
+    assert numbers["mse_D64"] < numbers["mse_D4"]
 
 
 def test_each_listed_rule_has_a_declared_control_that_verify_runs() -> None:
     pytest.importorskip("kernelattn_maclaurin")
     pytest.importorskip("kernelattn_fourier")
     pytest.importorskip("kernelattn_sampling")
+    pytest.importorskip("kernelattn_hybrid")
     from kernelattn_core.verify import plan
 
     declared = {c.rule for _, c in plan() if c.expect == "fail"}
-    assert {"KN001", "KN002", "KN003", "KN005", "KN006", "AT002"} <= declared
+    assert {"KN001", "KN002", "KN003", "KN005", "KN006", "AT002", "EN001", "RT001"} <= declared
+
+
+def test_en001_sliding_window_reference_without_global_tokens_is_rejected() -> None:
+    """EN001 sees the global tokens: the reference that leaves them out is not what the
+    estimator computes, and the honest reference (with them) passes."""
+    pytest.importorskip("kernelattn_hybrid")
+    from kernelattn_hybrid.claims import sliding_window_reference
+
+    numbers = _rejected("sliding-window", "EN001")
+    assert any(key.endswith(":out") for key in numbers["failing"])  # the outputs differ, not only gradients
+    _honest_twin_passes("sliding-window", "EN001", reference=sliding_window_reference)
+
+
+def test_rt001_ppsbn_default_form_is_not_the_section_3_2_operator() -> None:
+    """At trained-like gamma, beta the two printed post-scaling forms differ, and RT001
+    tells them apart (at gamma = beta = 1 they agree)."""
+    pytest.importorskip("kernelattn_maclaurin")
+    from kernelattn_maclaurin.claims import ppsbn_post
+
+    numbers = _rejected("ppsbn", "RT001")
+    assert numbers["max_rel_diff"] > 1e-3
+    _honest_twin_passes("ppsbn", "RT001", evaluate=ppsbn_post)
+    entry, claim = _control("ppsbn", "RT001")
+    untrained = dataclasses.replace(claim, perturb=0.0)
+    assert check_claim(entry, untrained, "quick").numbers["checker_verdict"] == "pass"  # gamma = beta = 1

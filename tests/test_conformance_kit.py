@@ -183,3 +183,53 @@ def test_causal_only_flag_negative_control(toys) -> None:  # type: ignore[no-unt
     reg = toys(ClaimsCausalOnlyButIsNot)
     with pytest.raises(AssertionError, match="supports_noncausal=False but causal=False did not raise"):
         _run(reg, "claims-causal-only", "causal_prefix_invariance")
+
+
+# --------------------------------------------------------------------------- kit = verify + structure
+class DropsTheDiagonal(ka.FeatureMapAttention):
+    """A third-party estimator that overrides ``_attend`` with its own causal form, whose
+    mask is off by one: row ``t`` sees keys ``j < t`` (its own key dropped). Shapes, dtypes,
+    padding, determinism, prefix invariance and half precision all hold, so every structural
+    case passes; only the engine claim EN001 (the quadratic reference) sees it."""
+
+    name: ClassVar[str] = "drops-the-diagonal"
+
+    def __init__(self, num_features: int = 8, **options):  # type: ignore[no-untyped-def]
+        super().__init__("toy-prf", num_features=num_features, **options)
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        if not causal:
+            return super()._attend(q, k, v, causal, key_padding_mask)
+        fm = self.feature_map
+        if not fm.built:
+            self.redraw_policy.initial(fm, q.shape[-1])
+        out_dtype = v.dtype
+        work = torch.promote_types(q.dtype, torch.float32)  # half inputs summed in float32
+        q, k, v = (torch.where(torch.isfinite(t), t, torch.zeros_like(t)).to(work) for t in (q, k, v))
+        a = fm.query(q) @ fm.key(k).transpose(-1, -2)
+        keep = torch.ones(a.shape[-2:], dtype=torch.bool).tril(-1)
+        if key_padding_mask is not None:
+            keep = keep & ~key_padding_mask[:, None, None, :]
+        a = a.masked_fill(~keep, 0.0)
+        den = a.sum(-1, keepdim=True)
+        return ((a @ v) / torch.where(den == 0, torch.ones_like(den), den)).to(out_dtype)
+
+
+def test_kit_runs_the_engine_claims_on_a_third_party_estimator(toys) -> None:  # type: ignore[no-untyped-def]
+    """Kit = verify + structure: the kit's cases for a class are its structural cases and one
+    case per claim verify runs on it, engine claims included; a defect in an overridden
+    ``_attend`` that every structural case misses fails EN001."""
+    from kernelattn_core.verify import claims_of
+
+    reg = toys(DropsTheDiagonal)
+    cases = conformance_cases("drops-the-diagonal", registry=reg)
+    claim_checks = [c.check for c in cases if c.check.startswith("claim-")]
+    assert [c.split("-")[1] for c in claim_checks] == [c.rule for c in claims_of(reg.get("drops-the-diagonal"))]
+    assert {"claim-EN001-0", "claim-EN002-1", "claim-EN003-2"} <= set(claim_checks)
+    failed = set()
+    for case in cases:
+        try:
+            case.run("quick")
+        except AssertionError:
+            failed.add(case.check)
+    assert failed == {"claim-EN001-0"}, failed  # the structural cases all pass

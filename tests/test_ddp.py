@@ -67,7 +67,7 @@ def _worker(rank: int, port: int, names: list[str], out_dir: str) -> None:
         for seed in SEEDS:
             key = f"{name} (seed={seed})"
             try:
-                model = ka.KernelAttention(8, 2, estimator=name, **_options(name, seed))
+                model = ka.KernelAttention(8, 2, estimator=name, batch_first=True, **_options(name, seed))
                 ddp = DistributedDataParallel(model, broadcast_buffers=False)
                 ddp.train()
                 record = []
@@ -167,7 +167,9 @@ def _stats_batches(rank: int) -> list[torch.Tensor]:
 
 def _stats_model(name: str, sync: bool) -> ka.KernelAttention:
     torch.manual_seed(0)
-    return ka.KernelAttention(8, 2, estimator=name, num_features=8, seed=3, sync=sync).double().train()
+    return (
+        ka.KernelAttention(8, 2, estimator=name, num_features=8, seed=3, sync=sync, batch_first=True).double().train()
+    )
 
 
 def _stats_worker(rank: int, port: int, names: list[str], out_dir: str) -> None:

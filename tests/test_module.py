@@ -40,14 +40,14 @@ def test_softmax_kernel_attention_equals_multihead_attention(batch_first: bool, 
 
 
 def test_cross_attention_with_kdim_vdim(use_registry) -> None:
-    attn = ka.KernelAttention(12, 3, "toy-prf", kdim=5, vdim=7, num_features=8)
+    attn = ka.KernelAttention(12, 3, "toy-prf", kdim=5, vdim=7, num_features=8, batch_first=True)
     out, _ = attn(torch.randn(2, 4, 12), torch.randn(2, 9, 5), torch.randn(2, 9, 7))
     assert out.shape == (2, 4, 12)
 
 
 def test_module_trains_end_to_end(use_registry) -> None:
     torch.manual_seed(0)
-    attn = ka.KernelAttention(8, 2, "toy-prf", causal=True, redraw_every=1, num_features=8)
+    attn = ka.KernelAttention(8, 2, "toy-prf", causal=True, redraw_every=1, num_features=8, batch_first=True)
     opt = torch.optim.Adam(attn.parameters(), lr=0.05)
     x = torch.randn(4, 6, 8)
     target = torch.randn(4, 6, 8)
@@ -65,7 +65,7 @@ def test_module_trains_end_to_end(use_registry) -> None:
 def test_module_errors() -> None:
     with pytest.raises(ka.InputError, match="num_heads: expected a divisor of embed_dim = 10, got 3"):
         ka.KernelAttention(10, 3)
-    attn = ka.KernelAttention(8, 2)
+    attn = ka.KernelAttention(8, 2, batch_first=True)
     with pytest.raises(ka.InputError, match="attn_mask: only the causal mask"):
         attn(torch.randn(1, 3, 8), attn_mask=torch.eye(3, dtype=torch.bool))
     with pytest.raises(ka.InputError, match=r"query: expected last dimension 8, got shape \(1, 3, 6\)"):
@@ -125,7 +125,7 @@ def test_load_multihead_state_dict_keeps_the_estimators_state() -> None:
 
 
 def test_refusals_name_the_argument() -> None:
-    attn = ka.KernelAttention(8, 2)
+    attn = ka.KernelAttention(8, 2, batch_first=True)
     x = torch.randn(2, 3, 8)
     with pytest.raises(ka.InputError, match="need_weights: kernelized attention never forms"):
         attn(x, x, x, need_weights=True)
@@ -165,10 +165,36 @@ def test_step_decodes_like_the_causal_forward(estimator: str, batch_first: bool)
         assert isinstance(state, KVCache) and state.length == 6
 
 
+def test_default_layout_is_multihead_attentions_sequence_first() -> None:
+    """A module built by hand with the defaults is a drop-in for nn.MultiheadAttention's
+    defaults: inside nn.TransformerEncoderLayer(batch_first=False) it reads [N, B, E]."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, dtype=torch.float64).eval()
+    assert layer.self_attn.batch_first is False
+    ours = ka.KernelAttention(16, 4, "softmax", dtype=torch.float64)
+    assert ours.batch_first is False
+    ours.load_state_dict(layer.self_attn.state_dict())
+    x = torch.randn(7, 3, 16, dtype=torch.float64)  # [N, B, E]
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        ref = layer(x, src_key_padding_mask=pad)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    layer.self_attn = ours
+    out = layer(x, src_key_padding_mask=pad)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    # read as [B, N, E] (the old default), the same input gives another function
+    ref_plain = layer(x)
+    ours.batch_first = True
+    assert not torch.allclose(layer(x), ref_plain, atol=1e-3)
+
+
 def test_transformer_encoder_accepts_kernel_attention_as_self_attn() -> None:
     """The issue's AttributeError: nn.TransformerEncoder reads self_attn._qkv_same_embed_dim."""
     layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, batch_first=True)
-    layer.self_attn = ka.KernelAttention(16, 4, "elu")
+    layer.self_attn = ka.KernelAttention(16, 4, "elu", batch_first=True)
     with pytest.warns(UserWarning, match="_qkv_same_embed_dim was not True"):
         encoder = nn.TransformerEncoder(layer, 2)
     encoder.eval()

@@ -74,7 +74,7 @@ def test_global_seed_makes_unseeded_policies_reproducible(use_registry) -> None:
 
 def test_state_dict_round_trip_is_bit_identical_and_keeps_the_schedule(use_registry) -> None:
     q, _k, _v = qkv(dtype=torch.float32)
-    model = ka.KernelAttention(24, 3, estimator="toy-prf", redraw_every=2, num_features=16)
+    model = ka.KernelAttention(24, 3, estimator="toy-prf", redraw_every=2, num_features=16, batch_first=True)
     model.train()
     for _ in range(3):
         model(q[:, 0, :, :].repeat(1, 1, 3))  # advance the schedule (3 training steps)
@@ -82,7 +82,7 @@ def test_state_dict_round_trip_is_bit_identical_and_keeps_the_schedule(use_regis
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)
     buffer.seek(0)
-    reloaded = ka.KernelAttention(24, 3, estimator="toy-prf", redraw_every=2, num_features=16)
+    reloaded = ka.KernelAttention(24, 3, estimator="toy-prf", redraw_every=2, num_features=16, batch_first=True)
     reloaded.load_state_dict(torch.load(buffer))
     model.eval()
     reloaded.eval()

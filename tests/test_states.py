@@ -43,7 +43,7 @@ def _module(name: str, embed: int = 16, num_features: int = 16) -> ka.KernelAtte
     if getattr(entry.cls, "random", False) and entry.kind != "kernel":
         opts["seed"] = 0
     torch.manual_seed(0)
-    return ka.KernelAttention(embed, 2, estimator=name, causal=True, **opts).double()
+    return ka.KernelAttention(embed, 2, estimator=name, causal=True, batch_first=True, **opts).double()
 
 
 def _state(module: ka.KernelAttention, batch: int = 2, embed: int = 16) -> Any:

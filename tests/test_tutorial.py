@@ -62,8 +62,12 @@ def test_kernelattn_verify_example(registry: ka.Registry, capsys: pytest.Capture
         "FM001",
         "FM004",
         "FM005",
-    }  # log space: positivity holds by construction (FM002 refused)
+        "EN001",  # implied for every feature map: the engine against the quadratic reference
+        "EN002",
+        "EN003",
+    }  # log space: positivity holds by construction (no FM002)
     assert all(r["verdict"] == "pass" for r in records)
+    assert registry.plugin_of("example-antithetic").spec == "1.1"  # its KERNELATTN_SPEC
 
 
 def test_conformance_kit_on_example(registry: ka.Registry) -> None:
@@ -77,6 +81,8 @@ def test_conformance_kit_on_example(registry: ka.Registry) -> None:
 
 def test_example_in_kernel_attention(registry: ka.Registry) -> None:
     torch.manual_seed(0)
-    layer = ka.KernelAttention(64, 4, estimator="example-antithetic", num_features=32, redraw_every=100)
+    layer = ka.KernelAttention(
+        64, 4, estimator="example-antithetic", num_features=32, redraw_every=100, batch_first=True
+    )
     out, _ = layer(torch.randn(2, 128, 64))
     assert out.shape == (2, 128, 64) and torch.isfinite(out).all()

@@ -107,10 +107,28 @@ def test_fm002_positivity(reg) -> None:  # type: ignore[no-untyped-def]
     assert bad.verdict == "fail" and bad.numbers["non_positive_or_nonfinite"] > 0
 
 
-def test_fm002_is_refused_for_log_space_maps_where_it_cannot_fail(reg) -> None:  # type: ignore[no-untyped-def]
+def test_fm002_on_a_log_space_map_is_deprecated_and_checked_as_finite_log_features(reg) -> None:  # type: ignore[no-untyped-def]
+    """Spec 1.1's deprecation policy: FM002 on a log-space map (vacuous as stated) warns and
+    is checked in its meaningful form instead of failing with a TypeError (spec 1.0 plugins
+    declare it)."""
+    from kernelattn_core.claims.spec import ClaimDeprecationWarning
+
     assert "FM002" not in {c.rule for c in claims_of(reg.get("checked-prf"))}  # not implied by `positive`
+    with pytest.warns(ClaimDeprecationWarning, match="FM002 on a log-space map is deprecated since plugin spec 1.1"):
+        result = check_claim(reg.get("checked-prf"), C.PositiveFeatures())
+    assert result.verdict == "pass" and "error" not in result.numbers
+    assert result.numbers["non_finite"] == 0 and result.numbers["log_features_checked"] > 0
+    assert "removed" not in result.numbers["deprecated"] and "1.2" in result.numbers["deprecated"]
+
+
+def test_a_removed_deprecation_is_refused_with_a_reason_not_a_crash(reg, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Once the core's spec reaches the version that removes a deprecated form, the check
+    fails with the reason (no TypeError, no warning)."""
+    import kernelattn_core.claims.spec as spec
+
+    monkeypatch.setattr(spec, "SPEC_VERSION", "1.2")
     result = check_claim(reg.get("checked-prf"), C.PositiveFeatures())
-    assert result.verdict == "fail" and "log-space" in result.numbers["error"]
+    assert result.verdict == "fail" and "deprecated since plugin spec 1.1" in result.numbers["refused"]
 
 
 def test_fm003_variance_against_closed_form(reg) -> None:  # type: ignore[no-untyped-def]
@@ -138,16 +156,55 @@ def test_at002_consistency(reg) -> None:  # type: ignore[no-untyped-def]
     good = _results(reg, "consistent-prf", "AT002")[0]
     assert good.verdict == "pass"
     assert good.numbers["bias_detected_smallest_budget"] is True  # self-normalised: biased at D = 4
+    assert good.numbers["budgets"] == [4, 8, 16, 32, 64]  # >= 4 budgets
+    assert good.numbers["bias_slope"] < -0.4 and good.numbers["min_detectable_limit_bias"] < 0.025
     assert _verdict(reg, "toy-ra", "AT002") == "pass"
     bad = _results(reg, "not-consistent", "AT002")[0]
-    assert bad.verdict == "fail"
+    assert bad.verdict == "fail" and "mse" in bad.numbers["failed"]
+
+
+def test_at002_fails_an_estimator_that_converges_to_a_wrong_limit(reg) -> None:  # type: ignore[no-untyped-def]
+    """Negative control: PRF attention at a temperature off by 30 % has a bias that falls,
+    but to the wrong limit: the extrapolated limit is detected."""
+    bad = _results(reg, "wrong-limit-prf", "AT002")[0]
+    assert bad.verdict == "fail" and "limit" in bad.numbers["failed"], bad.numbers
+    assert bad.numbers["limit_bias_max_z"] > bad.numbers["z_threshold"]
+
+
+def test_at002_budgets_of_spec_1_0_are_filled_in_geometrically() -> None:
+    from kernelattn_core.verify.statistical import at002_budgets
+
+    assert at002_budgets((4, 64)) == (4, 8, 16, 32, 64)
+    assert at002_budgets((2, 16)) == (2, 3, 6, 10, 16)
+    assert at002_budgets((8, 16, 32, 64, 128)) == (8, 16, 32, 64, 128)
+    with pytest.raises(ValueError, match="span"):
+        at002_budgets((8, 8))
+
+
+def test_rt001_runtime_identity(reg) -> None:  # type: ignore[no-untyped-def]
+    good, wrong = _results(reg, "identified-prf", "RT001")  # the stated formula, a declared wrong one
+    assert good.verdict == "pass" and good.numbers["max_rel_diff"] == 0.0
+    assert wrong.verdict == "pass" and wrong.numbers["checker_verdict"] == "fail"  # the control is rejected
+
+
+@pytest.mark.parametrize(
+    ("name", "rule"),
+    [("drops-own-key", "EN001"), ("normalizer-sees-future", "EN002"), ("padding-in-normalizer", "EN003")],
+)
+def test_engine_claims_negative_controls(reg, name, rule) -> None:  # type: ignore[no-untyped-def]
+    """en001: the causal diagonal dropped; en002: a normaliser over every key; en003: padded
+    keys counted in the normaliser (details in test_verify_engine.py)."""
+    assert _verdict(reg, name, rule) == "fail"
+    assert _verdict(reg, "consistent-prf", rule) == "pass"
 
 
 def test_implied_claims_from_capability_data(reg) -> None:  # type: ignore[no-untyped-def]
     rules = {c.rule for c in claims_of(reg.get("softmax"))}
     assert {"KN001", "KN002", "KN003", "KN006"} <= rules
-    assert {c.rule for c in claims_of(reg.get("toy-prf"))} == {"FM001"}  # log space: FM002 holds by construction
-    assert {c.rule for c in claims_of(reg.get("toy-trig"))} == {"FM001"}
+    engine = {"EN001", "EN002", "EN003"}  # every feature map: the engine against the quadratic reference
+    assert {c.rule for c in claims_of(reg.get("toy-prf"))} == {"FM001"} | engine  # log space: no FM002
+    assert {c.rule for c in claims_of(reg.get("toy-trig"))} == {"FM001"} | engine
+    assert {c.rule for c in claims_of(reg.get("toy-ra"))} == {"AT001", "AT002", "EN003"}  # non-causal only
 
 
 def test_a_crashing_check_is_a_failure_with_the_reason(reg) -> None:  # type: ignore[no-untyped-def]
@@ -159,7 +216,7 @@ def test_a_crashing_check_is_a_failure_with_the_reason(reg) -> None:  # type: ig
 def test_verify_cli_json_records_and_exit_code(reg, capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["verify", "softmax", "toy-prf", "--format", "json"]) == 0
     records = json.loads(capsys.readouterr().out)
-    assert {r["rule"] for r in records} == {"KN001", "KN002", "KN003", "KN006", "FM001"}
+    assert {r["rule"] for r in records} == {"KN001", "KN002", "KN003", "KN006", "FM001", "EN001", "EN002", "EN003"}
     for r in records:
         assert set(r) == {"rule", "plugin", "target", "claim", "numbers", "verdict"}
         assert r["verdict"] == "pass" and isinstance(r["numbers"], dict)

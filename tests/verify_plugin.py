@@ -239,6 +239,117 @@ class NotConsistent(ka.FeatureMapAttention):
         super().__init__("elu", **options)
 
 
+class WrongLimitPRF(ConsistentPRF):
+    """Negative control of AT002 (a wrong limit): self-normalised PRF attention at a
+    temperature off by 30 % (queries scaled by 1.3 before the features): its bias falls as
+    the budget grows, but towards softmax attention of logits 1.3 times too large (an RMS
+    limit bias of 0.048 on the AT002 inputs, largest element 0.15)."""
+
+    name: ClassVar[str] = "wrong-limit-prf"
+    claims: ClassVar[tuple] = (C.ConsistentAttention(biased_at_finite_budget=True),)
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        return super()._attend(q * 1.3, k, v, causal, key_padding_mask)
+
+
+class OffsetPRF(ConsistentPRF):
+    """A consistent estimator plus a fixed offset on every output (``OFFSET``): it converges
+    to softmax attention + offset. Used to measure the limit bias AT002 detects."""
+
+    name: ClassVar[str] = "offset-prf"
+    OFFSET: ClassVar[float] = 0.02
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        return super()._attend(q, k, v, causal, key_padding_mask) + self.OFFSET
+
+
+def _causal_naive(est, q, k, v, key_padding_mask, diagonal):  # type: ignore[no-untyped-def]
+    """Row-normalised feature attention over keys ``j <= t + diagonal`` (the full matrix)."""
+    fm = est.feature_map
+    if not fm.built:
+        est.redraw_policy.initial(fm, q.shape[-1])
+    phi_q, phi_k = fm.query(q), fm.key(k)
+    a = phi_q @ phi_k.transpose(-1, -2)
+    keep = torch.ones(a.shape[-2:], dtype=torch.bool).tril(diagonal)
+    if key_padding_mask is not None:
+        keep = keep & ~key_padding_mask[:, None, None, :]
+    a = a * keep
+    den = a.sum(-1, keepdim=True)
+    return (a @ v) / torch.where(den == 0, torch.ones_like(den), den)
+
+
+class DropsOwnKey(ka.FeatureMapAttention):
+    """Negative control of EN001: causal rows see keys ``j < t`` only (the diagonal dropped,
+    an off-by-one of the causal mask); non-causal calls are right."""
+
+    name: ClassVar[str] = "drops-own-key"
+
+    def __init__(self, num_features: int = 16, **options) -> None:  # type: ignore[no-untyped-def]
+        super().__init__("toy-prf", num_features=num_features, **options)
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        if not causal:
+            return super()._attend(q, k, v, causal, key_padding_mask)
+        return _causal_naive(self, q, k, v, key_padding_mask, -1)
+
+
+class NormalizerSeesFuture(DropsOwnKey):
+    """Negative control of EN002: a causal numerator over a non-causal normaliser (the
+    denominator sums every key: a cumulative sum forgotten)."""
+
+    name: ClassVar[str] = "normalizer-sees-future"
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        if not causal:
+            return ka.FeatureMapAttention._attend(self, q, k, v, causal, key_padding_mask)
+        fm = self.feature_map
+        phi_q, phi_k = fm.query(q), fm.key(k)
+        a = phi_q @ phi_k.transpose(-1, -2)
+        num = (a * torch.ones(a.shape[-2:]).tril()) @ v
+        return num / a.sum(-1, keepdim=True)
+
+
+class PaddingInNormalizer(DropsOwnKey):
+    """Negative control of EN003: padded keys are removed from the values only and still
+    counted in the normaliser."""
+
+    name: ClassVar[str] = "padding-in-normalizer"
+
+    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        if key_padding_mask is None:
+            return ka.FeatureMapAttention._attend(self, q, k, v, causal, key_padding_mask)
+        fm = self.feature_map
+        phi_q, phi_k = fm.query(q), fm.key(k)
+        a = phi_q @ phi_k.transpose(-1, -2)
+        if causal:
+            a = a * torch.ones(a.shape[-2:]).tril()
+        v = v.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+        return (a @ v) / a.sum(-1, keepdim=True)
+
+
+def toy_prf_features(fm, generator):  # type: ignore[no-untyped-def]
+    """RT001 for toy-prf: log-features :math:`\\omega^\\top x - |x|^2/2 - \\log(m)/2`."""
+    x = torch.randn(5, fm.head_dim, generator=generator, dtype=torch.float64)
+    want = x @ fm.omega.T - 0.5 * (x * x).sum(-1, keepdim=True) - 0.5 * math.log(fm.num_features)
+    return fm.query_log(x), want, "omega.x - |x|^2/2 - log(m)/2"
+
+
+def toy_prf_features_wrong(fm, generator):  # type: ignore[no-untyped-def]
+    """Negative control of RT001: the closed form without the 1/sqrt(m) normalisation."""
+    value, want, _ = toy_prf_features(fm, generator)
+    return value, want + 0.5 * math.log(fm.num_features), "without the 1/sqrt(m)"
+
+
+class IdentifiedPRF(ToyPRF):
+    """Runtime identities (RT001) of the toy PRF: the true one and a wrong one."""
+
+    name: ClassVar[str] = "identified-prf"
+    claims: ClassVar[tuple] = (
+        C.RuntimeIdentity(evaluate=toy_prf_features, label="toy-prf log-features"),
+        C.RuntimeIdentity(evaluate=toy_prf_features_wrong, label="toy-prf log-features", expect="fail"),
+    )
+
+
 @hookimpl
 def kernelattn_kernels():  # type: ignore[no-untyped-def]
     return [GoodExp, OffByOneTerm, NegativeCoefficient, WrongTorchFunction]
@@ -246,9 +357,19 @@ def kernelattn_kernels():  # type: ignore[no-untyped-def]
 
 @hookimpl
 def kernelattn_feature_maps():  # type: ignore[no-untyped-def]
-    return [CheckedPRF, BiasedPRF, WronglyPositive, WrongClaims]
+    return [CheckedPRF, BiasedPRF, WronglyPositive, WrongClaims, IdentifiedPRF]
 
 
 @hookimpl
 def kernelattn_estimators():  # type: ignore[no-untyped-def]
-    return [ToyRandomizedAttention, FalselyUnbiased, ConsistentPRF, NotConsistent]
+    return [
+        ToyRandomizedAttention,
+        FalselyUnbiased,
+        ConsistentPRF,
+        NotConsistent,
+        WrongLimitPRF,
+        OffsetPRF,
+        DropsOwnKey,
+        NormalizerSeesFuture,
+        PaddingInNormalizer,
+    ]

@@ -21,7 +21,7 @@ class Block(nn.Module):
     def __init__(self, width: int, heads: int, estimator: str, **options: object) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.attn = ka.KernelAttention(width, heads, estimator, causal=True, **options)
+        self.attn = ka.KernelAttention(width, heads, estimator, causal=True, batch_first=True, **options)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:

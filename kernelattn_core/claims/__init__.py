@@ -1,18 +1,23 @@
 """Claims that classes declare (data) — the checkers live in :mod:`kernelattn_core.verify`."""
 
+from .spec import SPEC_VERSION, ClaimDeprecationWarning
 from .types import (
     Claim,
     ConsistentAttention,
+    EngineReference,
     ErrorDecay,
     EstimateVariance,
     KernelClosedForm,
     KernelMatchesExpression,
     MaclaurinCoefficients,
     NonNegativeCoefficients,
+    PaddingInvariance,
     PmfSumsToOne,
     PositiveDefinite,
     PositiveFeatures,
+    PrefixInvariance,
     QuadratureIdentity,
+    RuntimeIdentity,
     SpectralDensityIntegral,
     SymbolicExpectation,
     UnbiasedAttention,
@@ -20,18 +25,24 @@ from .types import (
 )
 
 __all__ = [
+    "SPEC_VERSION",
     "Claim",
+    "ClaimDeprecationWarning",
     "ConsistentAttention",
+    "EngineReference",
     "ErrorDecay",
     "EstimateVariance",
     "KernelClosedForm",
     "KernelMatchesExpression",
     "MaclaurinCoefficients",
     "NonNegativeCoefficients",
+    "PaddingInvariance",
     "PmfSumsToOne",
     "PositiveDefinite",
     "PositiveFeatures",
+    "PrefixInvariance",
     "QuadratureIdentity",
+    "RuntimeIdentity",
     "SpectralDensityIntegral",
     "SymbolicExpectation",
     "UnbiasedAttention",

@@ -6,7 +6,15 @@ conformance kit run them. Each claim type has a stable rule ID documented in
 ``spec/claims.rst``. IDs are never reused: a retired rule keeps its number.
 
 Rule families: ``FM`` feature maps, ``KN`` kernels, ``SP`` sampling
-distributions, ``AT`` attention estimators, ``HP`` high-precision identities.
+distributions, ``AT`` attention estimators, ``EN`` the engine (what an estimator computes
+against the quadratic reference, causality, padding), ``RT`` runtime identities, ``HP``
+high-precision identities.
+
+**Option grids.** Every claim with ``options`` may also declare ``grid``, a tuple of
+option mappings; the claim is then checked at ``options`` and at ``options | point`` for
+each point. ``kernelattn verify --level quick`` (and the conformance kit by default) runs
+``options`` and the first point only; ``--level full`` runs every point. A point is
+reported as its own result, named by its options.
 """
 
 from __future__ import annotations
@@ -31,6 +39,13 @@ class Claim:
     rule: ClassVar[str] = ""
     summary: ClassVar[str] = ""
     expect: str = field(default="pass", kw_only=True)
+    #: option mappings merged over ``options``, one check each (quick level: the first
+    #: point only); see the module docstring
+    grid: tuple[Options, ...] = field(default=(), kw_only=True)
+    #: which grid point this claim is (0: the declared options), set by
+    #: :func:`kernelattn_core.verify.expand`; full level adds its large head dimension
+    #: (FM001, FM002) at the declared options only
+    point: int = field(default=0, kw_only=True)
 
     def describe(self) -> str:
         return self.summary
@@ -59,6 +74,11 @@ class UnbiasedKernelEstimate(Claim):
     inputs : callable, optional
         ``(d, pairs, generator) -> (x, y)`` float64 tensors ``[pairs, d]`` on the
         domain, replacing the default sampler (unit directions scaled into ``norm_range``).
+    setup : callable, optional
+        ``(feature_map, generator) -> None``, called on the built float64 map before the
+        draws: data-adapted statistics (``fm.fit`` on anisotropic data), a non-symmetric
+        matrix, trained parameters. A redraw does not undo it (redraws touch the random
+        draws only).
     """
 
     rule: ClassVar[str] = "FM001"
@@ -70,6 +90,7 @@ class UnbiasedKernelEstimate(Claim):
     redraws: int = 2000
     options: Options = field(default_factory=dict)
     inputs: Callable[..., Any] | None = None
+    setup: Callable[..., Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -77,11 +98,14 @@ class PositiveFeatures(Claim):
     """FM002: every feature the map returns (:meth:`query` and :meth:`key`, the tensors
     attention uses) is :math:`> 0` and finite, on inputs of large norm and many draws.
 
-    Implied by the ``positive`` flag for maps that compute features directly. A
-    log-space map (``log_space=True``) is positive by construction (the engine only
-    ever exponentiates its log-features), so the claim cannot fail there and the
-    checker refuses it: the ``positive`` flag of a log-space map is justified by
-    ``log_space`` alone."""
+    Implied by the ``positive`` flag for maps that compute features directly. On a
+    log-space map (``log_space=True``) the claim as stated is vacuous (the engine only
+    ever exponentiates the log-features, so :math:`e^{(\\cdot)} > 0` cannot fail); it is
+    **deprecated** there since spec 1.1 (see ``spec/plugins.rst``, deprecation policy):
+    declared on a log-space map it warns (:class:`~kernelattn_core.claims.spec.ClaimDeprecationWarning`)
+    and is checked in its meaningful form, *every log-feature is finite* (no NaN, no
+    :math:`\\pm\\infty`: a feature of exactly 0 or an infinite one) over the same inputs
+    and draws. Spec 1.0 plugins that declare it keep passing."""
 
     rule: ClassVar[str] = "FM002"
     summary: ClassVar[str] = "features are positive"
@@ -111,6 +135,8 @@ class EstimateVariance(Claim):
     redraws: int = 20000
     options: Options = field(default_factory=dict)
     inputs: Callable[..., Any] | None = None
+    #: ``(feature_map, generator) -> None`` on the built map before the draws (as FM001)
+    setup: Callable[..., Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -333,25 +359,194 @@ class UnbiasedAttention(Claim):
 
 @dataclass(frozen=True)
 class ConsistentAttention(Claim):
-    """AT002: error against exact softmax attention (and the bias, when
-    ``biased_at_finite_budget``) shrinks as ``num_features`` grows.
+    """AT002: the estimator is consistent for softmax attention, at a rate: its bias
+    vanishes as ``num_features`` grows, and its mean squared error falls.
 
-    Self-normalised estimators are biased at finite budget: the claim says so with
-    ``biased_at_finite_budget=True``, and the verdict then also requires the bias at
-    the smallest budget to be detectably non-zero (:math:`|z|` above the threshold);
-    with ``biased_at_finite_budget=False`` it requires the bias *not* to be detected;
-    ``None`` makes no statement on the bias at the smallest budget (reported only: for
-    estimators whose bias is real but below what ``redraws`` draws resolve).
+    Checked as a **rate**, over at least four budgets :math:`D_1 < \\dots < D_I` (fewer
+    declared, as in spec 1.0's ``(4, 64)``, are filled in geometrically), with ``redraws``
+    independent estimators per budget on one fixed input (float64):
+
+    * **slope.** The RMS bias :math:`b_D` (its square estimated without the variance of
+      the mean, :math:`\\overline{(\\bar y_D - y^\\star)^2} - \\overline{\\mathrm{Var}}/R`,
+      standard error by a delete-a-group jackknife) is fitted as
+      :math:`\\log b_D = a + s \\log D` over the budgets where it is resolved; the claim
+      fails when :math:`s` exceeds :math:`-\\text{order}` by more than the threshold times
+      its standard error (a bias that does not fall at the declared rate).
+    * **extrapolated limit.** Per output element, the mean output is fitted as
+      :math:`\\bar y_D = L + c\\,D^{-\\text{order}}` (least squares weighted by the Monte
+      Carlo variance of each budget's mean) and the limit bias :math:`L - y^\\star`
+      (:math:`y^\\star` exact softmax attention) tested, element by element and as the
+      mean over the elements, against a Bonferroni threshold (false-failure rate
+      :math:`10^{-6}`). A bias that falls faster than :math:`D^{-\\text{order}}` is convex in
+      the fit's variable and can only carry :math:`L` across zero, so only a limit on the
+      side of the bias left at the largest budget fails: that is what an estimator that
+      converges to another limit leaves, however small its variance. The smallest limit
+      bias detected with probability 0.95 is printed (``min_detectable_limit_bias``: the
+      same shift of every element, caught by the test of the mean or by that of the most
+      sensitive element, whichever needs less; ``..._mean``: by the mean's test alone;
+      ``..._any_element``: a shift of one element only, the least sensitive one).
+    * **error.** The mean squared error falls: the slope of its logarithm in
+      :math:`\\log D` is negative and the largest budget at least halves it.
+    * **bias at the smallest budget** (``biased_at_finite_budget``): ``True`` says it is
+      detectable (self-normalised estimators), ``False`` that it is not, ``None`` states
+      nothing (reported only).
+
+    Parameters
+    ----------
+    order : float
+        The declared rate: the bias falls at least as :math:`D^{-\\text{order}}` (``1/2``
+        by default; self-normalised ratio estimators have an :math:`O(1/D)` bias
+        asymptotically, but PRF-like features are still near :math:`D^{-1/2}` at budgets
+        of a few tens).
+    independent_rows : bool
+        The estimator draws independently for every batch row (per-row sampling such as
+        ``ra`` or ``lara``): the ``redraws`` draws of a budget are then the rows of a few
+        calls instead of one call per draw. Declare it only when true: draws shared by
+        the rows would be counted as independent.
     """
 
     rule: ClassVar[str] = "AT002"
-    summary: ClassVar[str] = "attention error and bias shrink as the budget grows"
+    summary: ClassVar[str] = "attention is consistent: the bias vanishes at a rate and the error falls"
     biased_at_finite_budget: bool | None = True
-    budgets: tuple[int, ...] = (4, 64)
+    budgets: tuple[int, ...] = (4, 8, 16, 32, 64)
     dim: int = 8
     seq_len: int = 16
     redraws: int = 400
     logit_std: float = 0.5
+    options: Options = field(default_factory=dict)
+    order: float = 0.5
+    independent_rows: bool = False
+
+
+# --------------------------------------------------------------------------- the engine
+@dataclass(frozen=True)
+class EngineReference(Claim):
+    """EN001: the estimator's outputs **and gradients** (with respect to ``q``, ``k``,
+    ``v`` and every trainable parameter of the map and the normaliser), causal and
+    non-causal, with and without a key padding mask, equal the quadratic reference
+    built from the same features.
+
+    For feature-map attention (:class:`~kernelattn_core.FeatureMapAttention` and every
+    subclass, however it overrides ``_attend``) the reference is implied:
+    :math:`\\mathrm{post}(\\mathrm{normalize}(A V, A \\mathbf 1))` with
+    :math:`A_{ij} = \\phi_q(q_i)^\\top\\phi_k(k_j)` on the allowed pairs
+    (:func:`~kernelattn_core.engine.naive.feature_attention_naive`), the features taken
+    from the estimator's own map after its ``pre`` and ``prepare``. Other estimators
+    declare ``reference``. The engine is run with chunks of ``chunk_size`` positions and
+    groups of one chunk (so chunk and group boundaries are crossed at ``seq_len``);
+    ``--level full`` adds a longer sequence at the estimator's own chunk length.
+
+    Parameters
+    ----------
+    reference : callable, optional
+        ``(estimator, q, k, v, causal, key_padding_mask) -> out [B, H, N, dv]`` on the
+        validated, already scaled ``q`` and ``k`` (what ``_attend`` receives), written
+        as a plain quadratic form (the plugin's ``naive.py``).
+    modes : tuple of bool
+        The ``causal`` values checked (those the class supports).
+    perturb : float
+        Standard deviation of seeded noise added to every floating parameter before
+        the check (trained-like values: a normaliser's :math:`\\gamma, \\beta` away from
+        1, a learned map away from its initialisation).
+    setup : callable, optional
+        ``(estimator, generator) -> None`` before the check (data-adapted statistics).
+    rtol : float
+        Tolerance on :math:`\\max|a - b| / \\max|b|` per tensor (float64).
+    """
+
+    rule: ClassVar[str] = "EN001"
+    summary: ClassVar[str] = "outputs and gradients equal the quadratic reference from the same features"
+    reference: Callable[..., Any] | None = None
+    modes: tuple[bool, ...] = (False, True)
+    seq_len: int = 23
+    dim: int = 8
+    heads: int = 2
+    num_features: int = 16
+    chunk_size: int = 4
+    perturb: float = 0.0
+    setup: Callable[..., Any] | None = None
+    rtol: float = 1e-8
+    options: Options = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PrefixInvariance(Claim):
+    """EN002: a causal output at position :math:`t` depends on positions :math:`\\le t`
+    only, through the values and through every stabiliser, and so does its gradient.
+
+    For each cut :math:`t`: the queries, keys and values at positions :math:`\\ge t` are
+    replaced (by other values, by :math:`10^4`, by NaN); outputs before :math:`t` and the
+    gradients of their sum (weighted) must be unchanged and finite, and the gradients
+    reaching positions :math:`\\ge t` exactly zero. An estimator that is deterministic in
+    eval mode must also give, before :math:`t`, its output on the prefix alone.
+    Implied for every estimator (and feature map) that supports ``causal=True``.
+    """
+
+    rule: ClassVar[str] = "EN002"
+    summary: ClassVar[str] = "causal outputs and gradients depend on earlier positions only"
+    seq_len: int = 23
+    cuts: tuple[int, ...] = (1, 17)
+    dim: int = 8
+    heads: int = 2
+    num_features: int = 16
+    chunk_size: int = 4
+    perturb: float = 0.0
+    setup: Callable[..., Any] | None = None
+    options: Options = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PaddingInvariance(Claim):
+    """EN003: padded keys leave the output and every gradient (``IF041``).
+
+    With a key padding mask (padded keys inside and at the end of the sequence), the
+    padded keys and values are replaced (by other values, by :math:`10^4`, by NaN):
+    outputs and the gradients of the unpadded inputs must be unchanged and finite, and
+    the padded positions must get exactly zero gradient. With ``removal`` (and an
+    estimator deterministic in eval mode), the output must also equal the call without
+    the padded tail keys at all. Checked non-causally and causally (as the class
+    supports). Implied for every estimator (and feature map).
+    """
+
+    rule: ClassVar[str] = "EN003"
+    summary: ClassVar[str] = "padded keys leave outputs and gradients"
+    seq_len: int = 19
+    dim: int = 8
+    heads: int = 2
+    num_features: int = 16
+    chunk_size: int = 4
+    removal: bool = True
+    perturb: float = 0.0
+    setup: Callable[..., Any] | None = None
+    options: Options = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- runtime identities
+@dataclass(frozen=True)
+class RuntimeIdentity(Claim):
+    """RT001: a quantity the runtime object computes equals a closed form written
+    apart from it, in float64.
+
+    ``evaluate(obj, generator)`` receives the registered class built with ``options``
+    (a feature map built at head dimension ``dim`` with ``num_features``, a normaliser, a
+    kernel, an estimator from :func:`~kernelattn_core.create`), in float64, its
+    floating parameters perturbed by ``perturb`` (seeded: trained-like values), and
+    returns ``(value, target, note)``: what the object computes and the closed form of
+    the paper, computed from the object's parameters but not through its code. The check
+    passes when :math:`\\max|v - t| \\le \\text{rtol}\\,\\max(|t|_{\\max}, 10^{-300})`.
+    Structural promises (tied query and key maps, per-head independence, an
+    initialisation equal to a stated estimator, a normaliser's post-transform at
+    :math:`\\gamma, \\beta \\ne 1`) are claims of this kind.
+    """
+
+    rule: ClassVar[str] = "RT001"
+    summary: ClassVar[str] = "the runtime object equals a closed form written apart from it"
+    evaluate: Callable[..., Any] | None = None
+    label: str = ""
+    dim: int = 8
+    num_features: int = 16
+    perturb: float = 0.0
+    rtol: float = 1e-10
     options: Options = field(default_factory=dict)
 
 

@@ -3,13 +3,18 @@
 * :func:`convert_attention` — a copy of a model whose self-attention modules
   (:class:`torch.nn.MultiheadAttention`, also inside
   :class:`~torch.nn.TransformerEncoderLayer`/:class:`~torch.nn.TransformerDecoderLayer`,
-  and the Hugging Face BERT family: BERT, RoBERTa, MiniLM, DistilBERT) run a kernelized
-  estimator with the pretrained projection weights.
+  the Hugging Face BERT family: BERT, RoBERTa, MiniLM, DistilBERT, and Hugging Face
+  decoders: GPT-2, Llama, Mistral, Qwen2) run a kernelized estimator with the pretrained
+  projection weights.
 * :func:`distill_attention` — fit the learnable parameters of every converted layer to
   the teacher's softmax attention, layer by layer.
+* :func:`from_pretrained` — load a converted decoder saved with ``save_pretrained``;
+  :class:`KernelCache` — the constant-size decoding state of a converted decoder.
 
-``transformers`` is never imported by this package (modules are recognised by their
-class and attributes); loading a Hugging Face model is the caller's business
+``transformers`` is imported only when a Hugging Face decoder is converted, loaded or
+decodes (its attention-function and mask-function registries are the extension points,
+:mod:`kernelattn_core.convert.decoder`); BERT-family modules are recognised by their
+class and attributes. Loading a Hugging Face model is the caller's business
 (``pip install 'kernelattn-core[hf]'``).
 """
 
@@ -24,6 +29,14 @@ from ..errors import InputError
 from ..lookup import resolve
 from ..module import KernelAttention
 from ..validation import check_bool, check_positive_int, check_seed
+from .decoder import (
+    KernelDecoderAttention,
+    convert_decoder_module,
+    decoder_shape,
+    finish_conversion,
+    from_pretrained,
+    is_hf_decoder_attention,
+)
 from .distill import DistillReport, LayerReport, distill_attention, output_errors
 from .hf import HFKernelSelfAttention, is_hf_self_attention
 from .hf import _num_heads as _hf_heads
@@ -31,12 +44,25 @@ from .hf import _num_heads as _hf_heads
 __all__ = [
     "DistillReport",
     "HFKernelSelfAttention",
+    "KernelCache",
+    "KernelDecoderAttention",
     "LayerReport",
     "convert_attention",
     "converted_modules",
     "distill_attention",
+    "from_pretrained",
     "output_errors",
 ]
+
+_CONVERTED = (KernelAttention, HFKernelSelfAttention, KernelDecoderAttention)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KernelCache":  # imports transformers
+        from .cache import KernelCache
+
+        return KernelCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def convert_attention(
@@ -59,7 +85,14 @@ def convert_attention(
     ----------
     model : nn.Module
         Any module holding :class:`torch.nn.MultiheadAttention` modules (for example an
-        :class:`torch.nn.TransformerEncoder`), or a Hugging Face BERT-family model.
+        :class:`torch.nn.TransformerEncoder`), a Hugging Face BERT-family model, or a
+        Hugging Face decoder (GPT-2, Llama, Mistral, Qwen2: any ``transformers`` model
+        whose attention dispatches through its attention interface). A decoder is
+        converted through ``transformers``' extension points
+        (:mod:`kernelattn_core.convert.decoder`): its attention modules keep their class
+        (a subclass is swapped in) and their weights, get an ``estimator``, and the model
+        runs with ``attn_implementation="kernelattn"``; ``config.kernelattn`` records the
+        estimator and options for :func:`from_pretrained`.
     estimator : str
         Registry name of an estimator, feature map or kernel (``"softmax"``: exact,
         the same function as the original).
@@ -98,19 +131,21 @@ def convert_attention(
     out = copy.deepcopy(model)
     targets: list[tuple[str, nn.Module]] = []
     for name, module in out.named_modules():
-        if isinstance(module, KernelAttention | HFKernelSelfAttention):
+        if isinstance(module, _CONVERTED):
             continue
         if isinstance(module, nn.MultiheadAttention):
             if not cross_attention and name.split(".")[-1] == "multihead_attn":
                 continue
             targets.append((name, module))
-        elif is_hf_self_attention(name, module):
+        elif is_hf_self_attention(name, module) or is_hf_decoder_attention(name, module):
             targets.append((name, module))
     if not targets:
         raise InputError(
-            f"model: no self-attention to convert in {type(model).__name__} (expected torch.nn.MultiheadAttention "
-            "or a Hugging Face BERT/RoBERTa/DistilBERT self-attention)"
+            f"model: no self-attention to convert in {type(model).__name__} (expected torch.nn.MultiheadAttention, "
+            "a Hugging Face BERT/RoBERTa/DistilBERT self-attention or a Hugging Face decoder attention that "
+            "dispatches through transformers' attention interface)"
         )
+    decoders = False
     for index, (name, module) in enumerate(targets):
         _check_head_dim(name, module, options)
         layer_options = dict(options)
@@ -118,13 +153,18 @@ def convert_attention(
             layer_options["seed"] = layer_options["seed"] + index
         if isinstance(module, nn.MultiheadAttention):
             new: nn.Module = KernelAttention.from_multihead(module, estimator, **layer_options)
-        else:
+        elif is_hf_self_attention(name, module):
             new = HFKernelSelfAttention.from_module(module, estimator, **layer_options)
+        else:
+            new = convert_decoder_module(module, estimator, **layer_options)  # in place, in the copy
+            decoders = True
         parent_name, _, attr = name.rpartition(".")
         setattr(out.get_submodule(parent_name), attr, new)
     for module in out.modules():
         if isinstance(module, nn.TransformerEncoder):
             module.use_nested_tensor = False
+    if decoders:
+        finish_conversion(out, estimator, options)
     return out
 
 
@@ -158,6 +198,8 @@ def _check_head_dim(name: str, module: nn.Module, options: dict[str, Any]) -> No
         return
     if isinstance(module, nn.MultiheadAttention):
         actual = module.head_dim
+    elif is_hf_decoder_attention(name, module):
+        actual = decoder_shape(module)[0]
     else:
         actual = module.query.out_features if hasattr(module, "query") else module.q_lin.out_features
         actual //= _hf_heads(module)
@@ -170,4 +212,4 @@ def _check_head_dim(name: str, module: nn.Module, options: dict[str, Any]) -> No
 
 def converted_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The kernelized attention modules of ``model`` with their names, in order."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, KernelAttention | HFKernelSelfAttention)]
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, _CONVERTED)]

@@ -146,6 +146,10 @@ def backends() -> list[Backend]:
 def select_backend(problem: Problem, prefer: str | None = None) -> Backend:
     """The backend to run ``problem``: ``prefer`` if given (an error if it cannot),
     else the available supporting backend of highest priority."""
+    if prefer is None and torch.compiler.is_compiling():
+        # under torch.compile the torch backend runs its traced form (engine.traced): no
+        # availability probing (imports) and no custom autograd function in the graph
+        return _BACKENDS["torch"]
     if prefer is not None:
         if prefer not in _BACKENDS:
             raise InputError(f"backend: expected one of {sorted(_BACKENDS)}, got {prefer!r}")
@@ -246,11 +250,26 @@ def attend_normalized(
     The torch backend applies ``scale`` and the normaliser group by group inside its
     grouped pass (:mod:`kernelattn_core.engine.grouped`), so no whole-sequence scaled copy
     of the inputs, gradient of ``num`` or normaliser temporary is formed; other backends
-    get the scaled inputs and the normaliser runs on their ``num`` and ``den``.
+    get the scaled inputs and the normaliser runs on their ``num`` and ``den``. Under
+    ``torch.compile`` the torch backend runs :mod:`kernelattn_core.engine.traced` (one
+    graph, the quarantine as tensor operations, autograd's backward).
     ``normalize`` acts row by row (the :class:`~kernelattn_core.interfaces.Normalizer`
     contract).
     """
     if backend.name == "torch":
+        if torch.compiler.is_compiling():  # one graph, no data-dependent branch (engine.traced)
+            from .traced import traced_feature_attention
+
+            return traced_feature_attention(
+                feature_map,
+                normalizer,
+                q,
+                k,
+                v,
+                causal=causal,
+                key_padding_mask=key_padding_mask,
+                scale=scale,
+            )
         from .grouped import grouped_feature_attention
 
         (out,) = grouped_feature_attention(

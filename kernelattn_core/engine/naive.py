@@ -59,7 +59,10 @@ def non_finite_rows(x: torch.Tensor) -> torch.Tensor | None:
     """The rows ``[...]`` of ``x [..., n]`` holding NaN or inf, or ``None`` when every row
     is finite. One reduction decides (a sum is finite unless some entry is not, or the
     sum overflows, in which case the rows are checked); the common all-finite case costs
-    one pass over ``x`` and no copy."""
+    one pass over ``x`` and no copy. Under ``torch.compile`` the rows are returned always
+    (a tensor operation, no branch on the data): callers then mask unconditionally."""
+    if torch.compiler.is_compiling():  # no data-dependent branch: the rows, always
+        return ~torch.isfinite(x.detach()).all(-1)
     if x.numel() == 0 or bool(torch.isfinite(x.detach().sum())):
         return None
     bad = ~torch.isfinite(x.detach()).all(-1)

@@ -421,4 +421,122 @@ def feature_attention_step(
     """
     dtype = compute_dtype(phi_q.dtype)
     phi_q, phi_k, v = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
+    if phi_q.shape[2] == 1 and state is not None and not torch.is_grad_enabled():
+        return _decode_one(phi_q, phi_k, v, log_space, key_padding_mask, state)
     return _causal(phi_q, phi_k, v, log_space, key_padding_mask, chunk_size, state)
+
+
+def _decode_one(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    log_space: bool,
+    key_padding_mask: torch.Tensor | None,
+    state: CausalState,
+) -> tuple[torch.Tensor, torch.Tensor, CausalState]:
+    """One new position given ``state`` (decoding without autograd): the recurrence itself,
+
+    .. math::
+        c' = \\max(c, \\max_D l_k), \\quad S' = e^{c - c'} S + e^{l_k - c'} v^\\top, \\quad
+        z' = e^{c - c'} z + e^{l_k - c'}, \\quad
+        \\mathrm{num} = \\hat\\phi_q^\\top S', \\quad \\mathrm{den} = \\hat\\phi_q^\\top z',
+
+    with the same quarantine as :func:`prepare_causal` (a padded key leaves the state
+    alone, a non-finite key or value sets ``poisoned``, a non-finite query poisons its
+    row) and none of the chunked core's set-up, which dominates a one-position call."""
+    b, h = phi_q.shape[:2]
+    lq, lk, vv = phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0]  # [B, H, D], [B, H, D], [B, H, dv]
+    pad = torch.zeros(b, h, dtype=torch.bool, device=lq.device)
+    if key_padding_mask is not None:
+        pad = pad | key_padding_mask[:, :1]  # [B, 1] broadcast over heads
+    bad_k = (_bad_rows(lk, log_space) | ~torch.isfinite(vv).all(-1)) & ~pad  # [B, H]
+    bad_q = _bad_rows(lq, log_space)  # [B, H]
+    gone = (pad | bad_k).unsqueeze(-1)  # [B, H, 1]
+    vv = vv.masked_fill(gone, 0.0)
+    kv, z = state.kv.to(lq.dtype), state.z.to(lq.dtype)
+    if log_space:
+        lk = lk.masked_fill(gone, float("-inf"))
+        m_old = state.m if state.m is not None else lq.new_full((b, h, 1), float("-inf"))
+        m_new = torch.maximum(m_old, lk.amax(-1, keepdim=True))  # [B, H, 1]: -inf while no key
+        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        restate = torch.where(torch.isfinite(m_old), (m_old - safe).exp(), torch.zeros_like(safe))
+        fk = (lk - safe).exp()  # [B, H, D], <= 1
+        kv = torch.addcmul(kv * restate.unsqueeze(-1), fk.unsqueeze(-1), vv.unsqueeze(-2))
+        z = torch.addcmul(z * restate, fk, torch.ones_like(fk))
+        fq = query_side(lq.masked_fill(bad_q.unsqueeze(-1), float("-inf")), True)  # [B, H, D]
+    else:
+        fk = lk.masked_fill(gone, 0.0)
+        kv = torch.addcmul(kv, fk.unsqueeze(-1), vv.unsqueeze(-2))
+        z = z + fk
+        m_new = None
+        fq = lq.masked_fill(bad_q.unsqueeze(-1), 0.0)
+    num = (fq.unsqueeze(-2) @ kv).squeeze(-2)  # [B, H, dv]
+    den = (fq * z).sum(-1)  # [B, H]
+    poisoned = bad_k if state.poisoned is None else state.poisoned | bad_k
+    rows = poisoned | bad_q
+    num = num.masked_fill(rows.unsqueeze(-1), float("nan"))
+    den = den.masked_fill(rows, float("nan"))
+    carried = poisoned if (state.poisoned is not None or bool(bad_k.any())) else None
+    return num.unsqueeze(2), den.unsqueeze(2), CausalState(kv, z, m_new, state.length + 1, carried)
+
+
+def absorb_keys(
+    state: CausalState | None,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    log_space: bool,
+    key_padding_mask: torch.Tensor | None = None,
+    drop: torch.Tensor | None = None,
+) -> CausalState:
+    """The causal state after consuming keys without queries: ``state`` (``None``: empty)
+    continued with the key features ``phi_k [B, H, T, D]`` (log-features when
+    ``log_space``) and values ``v [B, H, T, dv]``.
+
+    .. math::
+        c' = \\max\\big(c, \\max_{j, D} l_{k,j}\\big), \\quad
+        S' = e^{c - c'} S + \\sum_j e^{l_{k,j} - c'} v_j^\\top, \\quad
+        z' = e^{c - c'} z + \\sum_j e^{l_{k,j} - c'}
+
+    (plain maps: :math:`S' = S + \\sum_j \\phi_k(k_j) v_j^\\top`, no stabiliser). Padded keys
+    (``key_padding_mask [B, T]``) and the keys ``drop [B, H, T]`` are left out; a key whose
+    features or value are not finite is left out too and sets the ``poisoned`` flag of its
+    head (every later row that sees it is NaN), as the causal engine does. Used by decoding
+    states that hold some keys exactly and hand them to the features later
+    (``sliding-window``'s window).
+    """
+    dtype = compute_dtype(phi_k.dtype)
+    phi_k, v = phi_k.to(dtype), v.to(dtype)
+    b, h, t, d_feat = phi_k.shape
+    dv = v.shape[-1]
+    drop = torch.zeros(b, h, t, dtype=torch.bool, device=phi_k.device) if drop is None else drop
+    if key_padding_mask is not None:
+        drop = drop | key_padding_mask[:, None, :]
+    bad = (_bad_rows(phi_k.detach(), log_space) | _bad_rows(v.detach(), False)) & ~drop  # [B, H, T]
+    drop = drop | bad
+    v = v.masked_fill(drop.unsqueeze(-1), 0.0)
+    poisoned = bad.any(-1)  # [B, H]
+    if state is not None and state.poisoned is not None:
+        poisoned = poisoned | state.poisoned
+    if state is None:
+        kv = phi_k.new_zeros(b, h, d_feat, dv)
+        z = phi_k.new_zeros(b, h, d_feat)
+        m_old = phi_k.new_full((b, h, 1), float("-inf")) if log_space else None
+        length = 0
+    else:
+        kv, z, m_old, length = state.kv.to(dtype), state.z.to(dtype), state.m, state.length
+    if log_space:
+        lk = phi_k.masked_fill(drop.unsqueeze(-1), float("-inf"))
+        top = lk.detach().amax(-1).amax(-1, keepdim=True)  # [B, H, 1]
+        m_new = torch.maximum(m_old, top)  # type: ignore[arg-type]
+        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        restate = torch.where(torch.isfinite(m_old), (m_old - safe).exp(), torch.zeros_like(safe))  # type: ignore[operator]
+        fk = (lk - safe.unsqueeze(-1)).exp()  # [B, H, T, D], dropped keys 0
+        kv = kv * restate.unsqueeze(-1) + fk.transpose(-1, -2) @ v
+        z = z * restate + fk.sum(-2)
+    else:
+        fk = phi_k.masked_fill(drop.unsqueeze(-1), 0.0)
+        kv = kv + fk.transpose(-1, -2) @ v
+        z = z + fk.sum(-2)
+        m_new = None
+    return CausalState(kv, z, m_new, length + t, poisoned)

@@ -6,13 +6,24 @@ A plugin author adds one file to the plugin's tests::
 
     test_conformance = conformance_tests("myplugin")  # a plugin name or class names
 
-and gets, for every class the plugin registers, the interface contract (shapes,
-float32/float64 preserved, device moves, batch consistency, determinism under a
-fixed generator, ``state_dict`` round trip, redraw semantics), the capability flags
-checked against behaviour (a class flagged positive never yields a non-positive
-feature), half precision (float16 and bfloat16 attention finite and close to float32), and
-every declared claim run by the verification framework at the level
-given by ``pytest --kernelattn-level quick|full`` (quick by default).
+and gets, for every class the plugin registers, **verify plus structure**:
+
+* the structural cases: the interface contract (shapes, float32/float64 preserved,
+  device moves, batch consistency, determinism under a fixed generator, ``state_dict``
+  round trip, redraw semantics), the capability flags checked against behaviour (a
+  class flagged positive never yields a non-positive feature), half precision (float16
+  and bfloat16 attention finite and close to float32);
+* one case per claim ``kernelattn verify`` runs on the class (:func:`~kernelattn_core.verify.claims_of`):
+  the declared ones, those its flags imply, and the **engine claims** every estimator and
+  feature map gets (EN001: outputs and gradients against the quadratic reference from the
+  class's own features, so an estimator that overrides ``_attend`` is checked against
+  what it should compute; EN002 causality; EN003 padding), at the level given by
+  ``pytest --kernelattn-level quick|full`` (quick by default: a claim's option grid runs
+  its declared options and first point, full runs every point).
+
+A claim in a deprecated form (spec ``1.1``: FM002 on a log-space map) emits a
+:class:`~kernelattn_core.claims.spec.ClaimDeprecationWarning` and is checked in its
+meaningful form, so a plugin written against an earlier spec keeps passing.
 An estimator that is causal only declares ``supports_noncausal = False`` (class data,
 read with default ``True``): the kit then calls it with ``causal=True`` and ``N == M``
 and requires ``causal=False`` to raise an :class:`~kernelattn_core.errors.InputError`
@@ -329,6 +340,7 @@ def _normalizer_cases(entry: Entry) -> list[Case]:
 
 # --------------------------------------------------------------------------- claims
 def _claim_cases(entry: Entry) -> list[Case]:
+    """One case per claim verify runs on ``entry`` (grids expanded at the run's level)."""
     from ..verify import check_claim, claims_of
 
     cases = []

@@ -655,7 +655,7 @@ def _module(entry: Entry, **options: Any) -> Any:
     if _causal_only(entry.cls):
         opts["causal"] = True
     torch.manual_seed(0)
-    return KernelAttention(8, 2, estimator=entry.name, **{**opts, **options})
+    return KernelAttention(8, 2, estimator=entry.name, **{"batch_first": True, **opts, **options})
 
 
 def _x(batch: int = 2, n: int = 3) -> torch.Tensor:

@@ -3,6 +3,8 @@
 * :mod:`.symbolic`: SymPy — exact Maclaurin coefficients, pmfs, symbolic expectations.
 * :mod:`.precision`: mpmath — quadrature identities at 30+ digits.
 * :mod:`.statistical`: Monte Carlo in float64 with fixed seeds and z-tests.
+* :mod:`.engine`: what an estimator computes (EN001-EN003), outputs and gradients,
+  against the quadratic reference, under causality and under padding.
 
 :func:`run_checks` runs every claim of the selected classes; ``kernelattn verify``
 prints the results. Besides the claims a class lists, its capability data implies
@@ -13,7 +15,15 @@ that declares its spectral density (``spectral_density_mp``) for agreement with 
 density's Fourier integral (KN005); a feature map flagged ``positive`` (and not
 log-space, where positivity holds by construction) gets FM002 and one flagged
 ``unbiased`` (random, with a target kernel) gets FM001, unless it declares them
-itself with its own settings.
+itself with its own settings. Every estimator and every feature map gets the engine
+claims (:func:`.engine.implied_engine_claims`): EN001 for feature-map attention (every
+feature map, every subclass of :class:`~kernelattn_core.FeatureMapAttention` however it
+overrides ``_attend``), EN002 where ``causal=True`` is supported, EN003 always.
+
+A claim with an option ``grid`` is expanded by :func:`expand` into one claim per point
+(quick level: the declared options and the first point; full level: every point). A
+claim in a deprecated form (:data:`kernelattn_core.claims.spec.DEPRECATIONS`) warns and
+is checked in its meaningful form.
 
 A name given to :func:`select` that matches nothing, or a plugin that failed to
 load, raises :class:`~kernelattn_core.errors.PluginError` naming the load error:
@@ -30,16 +40,20 @@ from typing import Any
 from ..claims import (
     Claim,
     ConsistentAttention,
+    EngineReference,
     ErrorDecay,
     EstimateVariance,
     KernelClosedForm,
     KernelMatchesExpression,
     MaclaurinCoefficients,
     NonNegativeCoefficients,
+    PaddingInvariance,
     PmfSumsToOne,
     PositiveDefinite,
     PositiveFeatures,
+    PrefixInvariance,
     QuadratureIdentity,
+    RuntimeIdentity,
     SpectralDensityIntegral,
     SymbolicExpectation,
     UnbiasedAttention,
@@ -61,7 +75,7 @@ def _kernel(entry: Entry, claim: Any) -> DotProductKernel:
 
 
 def _checkers() -> dict[type, Checker]:
-    from . import kernels, precision, statistical, symbolic
+    from . import engine, kernels, precision, runtime, statistical, symbolic
 
     return {
         KernelClosedForm: lambda e, c, lvl, ids: kernels.check_closed_form(_kernel(e, c), c, **ids),
@@ -79,6 +93,10 @@ def _checkers() -> dict[type, Checker]:
         ErrorDecay: lambda e, c, lvl, ids: statistical.check_error_decay(e.cls, c, lvl, **ids),
         UnbiasedAttention: lambda e, c, lvl, ids: statistical.check_unbiased_attention(e, c, lvl, **ids),
         ConsistentAttention: lambda e, c, lvl, ids: statistical.check_consistent_attention(e, c, lvl, **ids),
+        EngineReference: lambda e, c, lvl, ids: engine.check_engine_reference(e, c, lvl, **ids),
+        PrefixInvariance: lambda e, c, lvl, ids: engine.check_prefix_invariance(e, c, lvl, **ids),
+        PaddingInvariance: lambda e, c, lvl, ids: engine.check_padding_invariance(e, c, lvl, **ids),
+        RuntimeIdentity: lambda e, c, lvl, ids: runtime.check_runtime_identity(e, c, lvl, **ids),
     }
 
 
@@ -102,7 +120,10 @@ def claims_of(entry: Entry) -> list[Claim]:
             claims.append(PositiveDefinite())
     if entry.kind == "estimator" and getattr(cls, "unbiased", False):
         # unbiasedness is per mode: a flagged class is checked in every mode it claims it for
-        modes = tuple(getattr(cls, "unbiased_modes", ("train", "eval")))
+        # (both by default since spec 1.1; a spec 1.0 plugin, which could not say, in train
+        # mode only, as 1.0 checked it)
+        default_modes = ("train", "eval") if _plugin_spec(entry) != "1.0" else ("train",)
+        modes = tuple(getattr(cls, "unbiased_modes", default_modes))
         declared_modes = {c.mode for c in claims if isinstance(c, UnbiasedAttention) and c.expect == "pass"}
         base = next((c for c in claims if isinstance(c, UnbiasedAttention) and c.expect == "pass"), None)
         if base is not None:
@@ -114,7 +135,50 @@ def claims_of(entry: Entry) -> list[Claim]:
             claims.append(PositiveFeatures())
         if cls.unbiased and cls.random and cls.kernel is not None and UnbiasedKernelEstimate not in declared:
             claims.append(UnbiasedKernelEstimate())
+    from .engine import implied_engine_claims
+
+    claims.extend(implied_engine_claims(entry, declared))
     return claims
+
+
+def _plugin_spec(entry: Entry) -> str:
+    """The spec version the plugin of ``entry`` was written against (the current one for a
+    class no registered plugin owns: a test's unregistered mutant)."""
+    from ..hookspecs import SPEC_VERSION
+
+    info = {p.name: p for p in get_registry().plugins()}.get(entry.plugin)
+    return SPEC_VERSION if info is None else info.spec
+
+
+def expand(claim: Claim, level: str = "quick") -> list[Claim]:
+    """The claims one declared claim stands for at ``level``: itself when it has no
+    ``grid``; else one claim at ``options | point`` for the declared options and each
+    grid point (quick level: the declared options and the first point only)."""
+    grid = tuple(getattr(claim, "grid", ()) or ())
+    if not grid:
+        return [claim]
+    if not hasattr(claim, "options"):
+        raise TypeError(f"{type(claim).__name__}: a grid needs an 'options' field to vary")
+    points = grid if level == "full" else grid[:1]
+    base = dict(claim.options or {})
+    return [dataclasses.replace(claim, grid=())] + [
+        dataclasses.replace(claim, options={**base, **dict(point)}, grid=(), point=i + 1)
+        for i, point in enumerate(points)
+    ]
+
+
+def _option_text(value: Any) -> str:
+    """A short rendering of an option value (tensors by shape, callables by name)."""
+    try:
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            return f"tensor{list(value.shape)}" if value.dim() else f"{float(value):g}"
+    except ImportError:  # pragma: no cover
+        pass
+    if callable(value):
+        return getattr(value, "__name__", type(value).__name__)
+    return repr(value) if isinstance(value, str) else str(value)
 
 
 def load_errors(registry: Registry, names: Sequence[str] = ()) -> list[str]:
@@ -167,18 +231,49 @@ def select(names: Sequence[str], registry: Registry) -> list[Entry]:
 
 
 def check_claim(entry: Entry, claim: Claim, level: str = "quick") -> CheckResult:
-    """Run one claim of one registered class; an exception becomes a failing result."""
+    """Run one claim of one registered class; an exception becomes a failing result.
+
+    A claim with a ``grid`` is checked at every point :func:`expand` gives at ``level``;
+    the result is the first failing point's (or the last point's), with the number of
+    points checked. A deprecated claim form warns
+    (:class:`~kernelattn_core.claims.spec.ClaimDeprecationWarning`) and is checked in its
+    meaningful form; its result says so under ``deprecated``. The global torch random
+    state is restored afterwards.
+    """
+    from ..claims.spec import deprecation_of, warn_deprecated
+
+    points = expand(claim, level)
+    if len(points) > 1:
+        results = [check_claim(entry, point, level) for point in points]
+        failed = [r for r in results if not r.passed]
+        result = failed[0] if failed else results[-1]
+        result.numbers["grid_points_checked"] = len(results)
+        if failed:
+            result.numbers["grid_points_failed"] = len(failed)
+        return result
     ids = {"plugin": entry.plugin, "target": entry.name}
     checker = _checkers().get(type(claim))
     if checker is None:
         return CheckResult(
             claim.rule or "?", claim=f"no checker for {type(claim).__name__}", numbers={}, verdict="fail", **ids
         )
+    deprecation = deprecation_of(entry, claim)
+    if deprecation is not None:
+        if deprecation.removed:
+            return CheckResult(
+                claim.rule, claim=claim.summary, numbers={"refused": deprecation.message(entry.name)}, **ids
+            )
+        warn_deprecated(deprecation, entry.name)
     try:
-        result = checker(entry, claim, level, ids)
+        import torch
+
+        with torch.random.fork_rng(devices=[]):
+            result = checker(entry, claim, level, ids)
         options = dict(getattr(claim, "options", {}) or {})
         if options:
-            result.claim += " [" + ", ".join(f"{k}={v}" for k, v in options.items()) + "]"
+            result.claim += " [" + ", ".join(f"{k}={_option_text(v)}" for k, v in options.items()) + "]"
+        if deprecation is not None:
+            result.numbers["deprecated"] = deprecation.message(entry.name)
         if claim.expect == "fail":  # a declared negative control passes when the checker rejects it
             result.numbers["checker_verdict"] = result.verdict
             result.claim = f"negative control, must fail: {result.claim}"
@@ -199,41 +294,62 @@ def run_checks(
     """Every claim of the selected classes (all installed when ``names`` is empty)."""
     registry = registry or get_registry()
     results = []
-    for entry in select(names, registry):
-        for claim in claims_of(entry):
-            if progress is not None:
-                progress(f"{claim.rule} {entry.name}")
-            results.append(check_claim(entry, claim, level))
+    for entry, claim in plan(names, registry, level):
+        if progress is not None:
+            progress(f"{claim.rule} {entry.name}")
+        results.append(check_claim(entry, claim, level))
     return results
 
 
-def plan(names: Sequence[str] = (), registry: Registry | None = None) -> Iterable[tuple[Entry, Claim]]:
-    """The (class, claim) pairs :func:`run_checks` would run."""
+def plan(
+    names: Sequence[str] = (), registry: Registry | None = None, level: str | None = None
+) -> Iterable[tuple[Entry, Claim]]:
+    """The (class, claim) pairs :func:`run_checks` would run; with a ``level``, grids are
+    expanded into their points (one pair each)."""
     registry = registry or get_registry()
-    return [(e, c) for e in select(names, registry) for c in claims_of(e)]
+    pairs = [(e, c) for e in select(names, registry) for c in claims_of(e)]
+    if level is None:
+        return pairs
+    return [(e, point) for e, c in pairs for point in expand(c, level)]
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """``kernelattn verify``: print the results; exit 1 on any failure."""
+    """``kernelattn verify``: print the results; exit 1 on any failure (2, raised as a
+    :class:`~kernelattn_core.errors.KernelAttnError`, when a name or plugin is bad).
+    Deprecation warnings are listed after the table (once per class and rule)."""
+    import sys
+    import time
+    import warnings
+
+    from ..claims.spec import ClaimDeprecationWarning
     from ..cli.output import table, to_json
     from ..cli.progress import Progress
 
-    pairs = plan(args.names)
+    rules = set(getattr(args, "rule", None) or ())
+    pairs = [(e, c) for e, c in plan(args.names, level=args.level) if not rules or c.rule in rules]
     results = []
-    with Progress(
-        len(pairs), "verify", enabled=args.format == "table" and not getattr(args, "no_progress", False)
-    ) as bar:
+    start = time.perf_counter()
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        Progress(
+            len(pairs), "verify", enabled=args.format == "table" and not getattr(args, "no_progress", False)
+        ) as bar,
+    ):
+        warnings.simplefilter("always", ClaimDeprecationWarning)
         for entry, claim in pairs:
             results.append(check_claim(entry, claim, args.level))
             bar.advance(f"{claim.rule} {entry.name}")
+    elapsed = time.perf_counter() - start
     records = [r.as_record() for r in results]
     if args.format == "json":
         print(to_json(records))
     else:
         print(table(records, ("rule", "plugin", "target", "claim", "numbers", "verdict")))
         failed = sum(not r.passed for r in results)
-        print(f"\n{len(results) - failed} passed, {failed} failed")
+        print(f"\n{len(results) - failed} passed, {failed} failed ({args.level} level, {elapsed:.0f} s)")
+    for message in dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, ClaimDeprecationWarning)):
+        print(f"kernelattn verify: deprecated: {message}", file=sys.stderr)
     return 1 if any(not r.passed for r in results) else 0
 
 
-__all__ = ["CheckResult", "check_claim", "claims_of", "plan", "run_checks", "run_cli", "select"]
+__all__ = ["CheckResult", "check_claim", "claims_of", "expand", "plan", "run_checks", "run_cli", "select"]

@@ -170,3 +170,75 @@ def matern52_closed_form(x: list[Any], y: list[Any]) -> Any:
 
     r = mp.sqrt(sum((a - b) ** 2 for a, b in zip(x, y)))
     return (1 + mp.sqrt(5) * r + 5 * r * r / 3) * mp.exp(-mp.sqrt(5) * r)
+
+
+# --------------------------------------------------------------------------- option coverage (spec 1.1)
+def rfa_gate_reference(
+    est: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, key_padding_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """EN001 reference of ``rfa-gate``: the recurrence one position at a time
+    (:func:`~kernelattn_fourier.gate.gated_sums_naive`) on the estimator's own features and
+    gate, padded keys zeroed first as the estimator does, then its normaliser."""
+    from .gate import gated_sums_naive
+
+    if key_padding_mask is not None:
+        k = k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+    q, k = est.normalizer.pre(q, k, key_padding_mask=key_padding_mask)
+    fm = est.feature_map
+    phi_q, phi_k = fm.query(q), fm.key(k)
+    num, den = gated_sums_naive(phi_q, phi_k, v, est.gate(k), key_padding_mask=key_padding_mask)
+    return est.normalizer.post(est.normalizer.normalize(num, den)).to(v.dtype)
+
+
+def _claims() -> dict[str, tuple[Any, ...]]:
+    from kernelattn_core.claims import EngineReference, UnbiasedKernelEstimate
+
+    sampler = {"dims": (16,), "norm_range": (0.2, 2.0), "num_features": 16}
+    return {
+        # every spectral family's sampler, and a lengthscale other than 1
+        "rff": (
+            UnbiasedKernelEstimate(
+                **sampler,
+                options={"kernel": "laplacian"},
+                grid=(
+                    {"kernel": "matern", "nu": 1.5},
+                    {"kernel": "matern", "nu": 2.5},
+                    {"kernel": "gaussian", "lengthscale": 0.7},
+                    {"kernel": "laplacian", "lengthscale": 1.6},
+                    {"kernel": "matern", "nu": 1.5, "orthogonal": True},
+                ),
+            ),
+        ),
+        "trig-softmax-features": (
+            UnbiasedKernelEstimate(dims=(16,), norm_range=(0.2, 1.0), num_features=16, options={"orthogonal": True}),
+        ),
+        # learned per-head scales at trained-like values: outputs and gradients of the engine
+        "rfa-features": (
+            EngineReference(
+                perturb=0.3,
+                options={"num_heads": 2, "init_scale": 0.7},
+                grid=({"learn_scale": False, "init_scale": 1.4}, {"orthogonal": True}),
+            ),
+        ),
+        "trig-softmax": (EngineReference(options={"orthogonal": True}, grid=({"normalizer": "row"},)),),
+        "rfa": (
+            EngineReference(
+                perturb=0.3,
+                options={"num_heads": 2, "init_scale": 0.7},
+                grid=({"learn_scale": False, "orthogonal": True},),
+            ),
+        ),
+        "rfa-gate": (
+            EngineReference(
+                reference=rfa_gate_reference,
+                modes=(True,),
+                perturb=0.3,
+                options={"num_heads": 2, "init_gate_bias": 0.5},
+                grid=({"init_gate_bias": -1.0, "learn_scale": False},),
+            ),
+        ),
+    }
+
+
+#: the claims each class of this plugin adds for its options, by registry name
+OPTION_CLAIMS: dict[str, tuple[Any, ...]] = _claims()

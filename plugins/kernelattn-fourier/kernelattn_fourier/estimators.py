@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -18,6 +18,7 @@ from kernelattn_core.lookup import resolve_class
 from kernelattn_core.redraw import RedrawPolicy
 from kernelattn_core.validation import check_key_padding_mask, check_positive_int, check_qkv
 
+from .claims import OPTION_CLAIMS
 from .feature_maps import RFAFeatures, TrigSoftmaxFeatures
 from .gate import Gate, GateState, gated_sums_state
 from .normalizers import SignedRowNormalizer
@@ -57,6 +58,7 @@ class TrigSoftmaxAttention(FeatureMapAttention):
     random: ClassVar[bool] = True
     has_budget: ClassVar[bool] = True
     linear: ClassVar[bool] = True
+    claims: ClassVar[tuple[Any, ...]] = OPTION_CLAIMS["trig-softmax"]
 
     def __init__(
         self,
@@ -123,6 +125,7 @@ class RFAAttention(FeatureMapAttention):
     random: ClassVar[bool] = True
     has_budget: ClassVar[bool] = True
     linear: ClassVar[bool] = True
+    claims: ClassVar[tuple[Any, ...]] = OPTION_CLAIMS["rfa"]
 
     def __init__(
         self,
@@ -246,6 +249,7 @@ class RFAGateAttention(AttentionEstimator):
     random: ClassVar[bool] = True
     has_budget: ClassVar[bool] = True
     linear: ClassVar[bool] = True
+    claims: ClassVar[tuple[Any, ...]] = OPTION_CLAIMS["rfa-gate"]
 
     def __init__(
         self,

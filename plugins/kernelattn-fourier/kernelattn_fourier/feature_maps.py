@@ -165,6 +165,7 @@ class RandomFourierFeatures(_TrigBase):
         EstimateVariance(variance=C.rff_variance, norm_range=(0.2, 2.0)),
         EstimateVariance(variance=C.rff_variance, norm_range=(0.2, 2.0), options={"variant": "offset"}),
         ErrorDecay(slope=-1.0, norm_range=(0.2, 2.0)),
+        *C.OPTION_CLAIMS["rff"],
     )
 
     def __init__(
@@ -284,6 +285,7 @@ class TrigSoftmaxFeatures(_TrigBase):
         SymbolicExpectation(derive=C.derive_trig_softmax_expectation),
         EstimateVariance(variance=C.trig_softmax_variance, norm_range=(0.2, 1.0)),
         ErrorDecay(slope=-1.0),
+        *C.OPTION_CLAIMS["trig-softmax-features"],
     )
 
     def __init__(
@@ -401,6 +403,7 @@ class RFAFeatures(_TrigBase):
     unbiased: ClassVar[bool] = False
     learnable: ClassVar[bool] = True
     default_num_features: ClassVar[int] = 128
+    claims: ClassVar[tuple[Any, ...]] = C.OPTION_CLAIMS["rfa-features"]
 
     def __init__(
         self,

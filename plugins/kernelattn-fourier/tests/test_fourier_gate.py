@@ -294,7 +294,9 @@ def test_kernel_attention_decodes_rfa_gate_with_a_constant_size_state() -> None:
     import kernelattn_core as ka
 
     torch.manual_seed(0)
-    attn = ka.KernelAttention(12, 2, estimator="rfa-gate", num_features=8, seed=0, causal=True).double()
+    attn = ka.KernelAttention(
+        12, 2, estimator="rfa-gate", num_features=8, seed=0, causal=True, batch_first=True
+    ).double()
     x = torch.randn(2, 7, 12, dtype=torch.float64)
     full, _ = attn(x)
     outs, state = [], None

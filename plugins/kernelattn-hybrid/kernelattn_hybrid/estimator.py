@@ -8,15 +8,16 @@ from typing import Any, ClassVar
 
 import torch
 
-from kernelattn_core.claims import ConsistentAttention
-from kernelattn_core.engine.torch_backend import compute_dtype
+from kernelattn_core.engine.torch_backend import absorb_keys, compute_dtype
 from kernelattn_core.errors import InputError
 from kernelattn_core.interfaces.estimator import AttentionEstimator
 from kernelattn_core.interfaces.feature_map import FeatureMap
+from kernelattn_core.interfaces.state import StateOwner, check_state, check_state_tensor
 from kernelattn_core.redraw import RedrawPolicy
 from kernelattn_core.validation import check_positive_int
 
-from .window import window_attention_blocked, window_weights_rows
+from .claims import SLIDING_WINDOW_CLAIMS
+from .window import WindowState, empty_window_state, window_attention_blocked, window_step_one, window_weights_rows
 
 #: smallest block length of the blocked computation (fewer, larger matmuls)
 MIN_BLOCK = 32
@@ -93,9 +94,9 @@ class SlidingWindowAttention(AttentionEstimator):
     random: ClassVar[bool] = False
     has_budget: ClassVar[bool] = True
     linear: ClassVar[bool] = True
-    #: with unbiased random features outside the window (``prf``), the error and the
-    #: bias of the self-normalised ratio shrink as the feature budget grows
-    claims: ClassVar[tuple[Any, ...]] = (ConsistentAttention(options={"window": 2, "feature_map": "prf"}),)
+    #: EN001 over every window mode, global tokens and maps; AT002 with and without global
+    #: tokens (declared in :mod:`kernelattn_hybrid.claims`)
+    claims: ClassVar[tuple[Any, ...]] = SLIDING_WINDOW_CLAIMS
 
     def __init__(
         self,
@@ -157,7 +158,7 @@ class SlidingWindowAttention(AttentionEstimator):
         with pure feature maps should count)."""
         return self.exact_keys(causal) + self.feature_map.num_features
 
-    def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+    def _attend(self, q, k, v, causal, key_padding_mask, redraw=True):  # type: ignore[no-untyped-def]
         # Keys and values that are padded, or non-finite, are zeroed before any product:
         # a matmul would spread them (0 * NaN) into queries that must not see them (padding,
         # future positions inside a block). A non-finite key or value that a query *may*
@@ -174,18 +175,19 @@ class SlidingWindowAttention(AttentionEstimator):
         # NaN row would send 0 * NaN into the keys' and values' gradients of every row
         bad_q = ~torch.isfinite(q).all(-1)  # [B, H, N]
         q = q.masked_fill(bad_q.unsqueeze(-1), 0.0)
-        out = self._attend_finite(q, k, v, causal, key_padding_mask)
+        out = self._attend_finite(q, k, v, causal, key_padding_mask, redraw)
         if causal:
             poisoned = dead.cummax(-1).values[..., : q.shape[-2]]  # [B, H, N]: some earlier key is non-finite
         else:
             poisoned = dead.any(-1, keepdim=True).expand(q.shape[:-1])
         return out.masked_fill((poisoned | bad_q).unsqueeze(-1), float("nan"))
 
-    def _attend_finite(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+    def _attend_finite(self, q, k, v, causal, key_padding_mask, redraw=True):  # type: ignore[no-untyped-def]
         fm = self.feature_map
         if not fm.built:
             self.redraw_policy.initial(fm, q.shape[-1])
-        self.redraw_policy.before_forward(fm, self.training)
+        if redraw:
+            self.redraw_policy.before_forward(fm, self.training)
         fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)
         dtype = compute_dtype(q.dtype)
         phi_q = fm.raw_features(q, query=True).to(dtype)  # [B, H, N, D]
@@ -207,6 +209,165 @@ class SlidingWindowAttention(AttentionEstimator):
             block_size=block,
         )
         return out.to(v.dtype)
+
+    # ------------------------------------------------------------------ decoding
+    def step(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        state: WindowState | None = None,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, WindowState]:
+        """Causal attention of new positions given the state of the earlier ones (decoding).
+
+        The state is constant in size (:class:`~kernelattn_hybrid.window.WindowState`): a
+        ring buffer of the last ``window`` keys and values, the ``global_tokens`` first
+        ones, and the feature sums (with their stabiliser) of every position that left the
+        window, handed to the features as it leaves
+        (:func:`~kernelattn_core.engine.torch_backend.absorb_keys`).
+
+        Parameters
+        ----------
+        q, k, v : Tensor ``[B, H, T, d]``, ``[B, H, T, d]``, ``[B, H, T, dv]``
+            The next ``T`` positions. Without a state they are attended by the blocked
+            forward and the state is built from them; with one they are attended one
+            position at a time (``T = 1`` when decoding token by token).
+        state : WindowState, optional
+            Returned by the previous call; ``None`` starts a sequence.
+        key_padding_mask : Tensor ``[B, T]`` of bool, optional
+            Padding among the new positions.
+
+        Returns
+        -------
+        out : Tensor ``[B, H, T, dv]``
+            Equal to the last ``T`` rows of ``forward(..., causal=True)`` over the whole
+            sequence so far (non-finite keys and queries poison the rows the forward
+            poisons).
+        state : WindowState
+            To pass to the next call. No redraw happens between steps.
+        """
+        q, k, mask = self._step_inputs(q, k, v, key_padding_mask)
+        fm = self.feature_map
+        if not fm.built:
+            self.redraw_policy.initial(fm, q.shape[-1])
+        owner = self.state_owner(q, v)
+        if state is not None:
+            self._check_state(state, owner, q.device)
+        self.last_backend = "step"
+        if state is None:
+            out = self._attend(q, k, v, True, mask, redraw=False)
+            state = self._state_of(q, k, v, mask)
+            state.owner = owner
+            return out, state
+        fm.prepare(q, k, key_padding_mask=mask, causal=True)
+        outs = []
+        for t in range(q.shape[2]):  # decoding: one position per step (no graph over a sequence)
+            one = None if mask is None else mask[:, t : t + 1]
+            out, state = self._step_one(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state, one)
+            outs.append(out)
+        state.owner = owner
+        return torch.cat(outs, dim=2), state
+
+    def _step_one(self, q, k, v, state, mask):  # type: ignore[no-untyped-def]
+        """One position: non-finite keys and queries handled as in :meth:`_attend`."""
+        fm = self.feature_map
+        out_dtype, dtype = v.dtype, compute_dtype(q.dtype)
+        dead = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [B, H, 1]
+        keep = torch.ones_like(dead) if mask is None else ~mask[:, None, :].expand_as(dead)
+        dead = dead & keep
+        keep = keep & ~dead
+        k = k.masked_fill(~keep.unsqueeze(-1), 0.0).to(dtype)
+        v = v.masked_fill(~keep.unsqueeze(-1), 0.0).to(dtype)
+        bad_q = ~torch.isfinite(q).all(-1)  # [B, H, 1]
+        q = q.masked_fill(bad_q.unsqueeze(-1), 0.0).to(dtype)
+        out, state = window_step_one(
+            state,
+            q,
+            k,
+            v,
+            fm.raw_features(q, query=True).to(dtype),
+            lambda x: fm.raw_features(x, query=False).to(dtype),
+            log_space=fm.log_space,
+            window=self.window,
+            global_tokens=self.global_tokens,
+            keep=keep,
+        )
+        state.poisoned = state.poisoned | dead.squeeze(-1)
+        nan_rows = (state.poisoned.unsqueeze(-1) | bad_q).unsqueeze(-1)  # [B, H, 1, 1]
+        return out.masked_fill(nan_rows, float("nan")).to(out_dtype), state
+
+    def _state_of(self, q, k, v, mask) -> WindowState:  # type: ignore[no-untyped-def]
+        """The state after the positions ``0 .. T - 1`` of a first call."""
+        b, h, t, d = k.shape
+        w, g = self.window, self.global_tokens
+        dtype = compute_dtype(q.dtype)
+        dead = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [B, H, T]
+        keep = torch.ones_like(dead) if mask is None else ~mask[:, None, :].expand_as(dead)
+        dead = dead & keep
+        keep = keep & ~dead
+        k = k.masked_fill(~keep.unsqueeze(-1), 0.0).to(dtype)
+        v = v.masked_fill(~keep.unsqueeze(-1), 0.0).to(dtype)
+        state = empty_window_state(b, h, d, v.shape[-1], w, g, dtype, q.device)
+        pos = torch.arange(t, device=q.device)
+        if w > 0:
+            recent = pos[max(0, t - w) :]  # [r]: the positions in the window after this call
+            slots = recent % w
+            state.keys[:, :, slots] = k[:, :, recent]
+            state.values[:, :, slots] = v[:, :, recent]
+            state.valid[:, :, slots] = keep[:, :, recent] & (recent >= g)
+        first = pos[: min(g, t)]
+        state.sink_keys[:, :, first] = k[:, :, first]
+        state.sink_values[:, :, first] = v[:, :, first]
+        state.sink_valid[:, :, first] = keep[:, :, first]
+        older = pos[: max(0, t - w)]  # positions that left the window: in the features unless global
+        if older.numel():
+            fm = self.feature_map
+            lk = fm.raw_features(k[:, :, older], query=False).to(dtype)
+            drop = ~(keep[:, :, older] & (older >= g))
+            state.features = absorb_keys(None, lk, v[:, :, older], log_space=fm.log_space, drop=drop)
+        state.length = t
+        state.poisoned = dead.any(-1)
+        return state
+
+    def state_owner(self, q: torch.Tensor, v: torch.Tensor) -> StateOwner:
+        """The :class:`~kernelattn_core.interfaces.state.StateOwner` of the decoding states
+        made from ``q [B, H, T, d]`` and ``v [B, H, T, dv]`` (a built map)."""
+        fm = self.feature_map
+        return StateOwner(
+            type(self).__name__,
+            (
+                ("window", self.window),
+                ("global_tokens", self.global_tokens),
+                ("feature_map", fm.name),
+                ("num_features", fm.num_features),
+            ),
+            q.shape[0],
+            q.shape[1],
+            (("D", fm.feature_dim), ("dv", v.shape[-1]), ("d", q.shape[-1])),
+        )
+
+    def _check_state(self, state: object, owner: StateOwner, device: torch.device) -> None:
+        """Refuse a state this estimator cannot continue, naming ``state``."""
+        check_state(state, WindowState, owner)
+        assert isinstance(state, WindowState)
+        b, h = owner.batch, owner.heads
+        widths = dict(owner.widths)
+        d, dv, w, g = widths["d"], widths["dv"], self.window, self.global_tokens
+        check_state_tensor("keys", state.keys, (b, h, w, d), device, owner, "[B, H, w, d]")
+        check_state_tensor("values", state.values, (b, h, w, dv), device, owner, "[B, H, w, dv]")
+        check_state_tensor("valid", state.valid, (b, h, w), device, owner, "[B, H, w]")
+        check_state_tensor("sink_keys", state.sink_keys, (b, h, g, d), device, owner, "[B, H, g, d]")
+        check_state_tensor("sink_values", state.sink_values, (b, h, g, dv), device, owner, "[B, H, g, dv]")
+        check_state_tensor("poisoned", state.poisoned, (b, h), device, owner, "[B, H]")
+        if isinstance(state.length, bool) or not isinstance(state.length, int) or state.length < 0:
+            raise InputError(f"state: expected length to be an int >= 0, got {state.length!r}")
+        f = state.features
+        if f is not None:
+            d_feat = widths["D"]
+            check_state_tensor("features.kv", f.kv, (b, h, d_feat, dv), device, owner, "[B, H, D, dv]")
+            check_state_tensor("features.z", f.z, (b, h, d_feat), device, owner, "[B, H, D]")
 
     def _attention_rows(self, q, k, rows, causal, key_padding_mask):  # type: ignore[no-untyped-def]
         # The rows' weights formed directly, O(R M (d + D)), instead of one-hot values

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -11,6 +11,8 @@ from torch import nn
 from kernelattn_core.errors import InputError
 from kernelattn_core.interfaces.feature_map import FeatureMap
 from kernelattn_core.validation import check_choice, check_positive_int
+
+from .claims import HEDGEHOG_CLAIMS
 
 #: seed of the fixed initial perturbation (construction is deterministic)
 INIT_SEED = 0
@@ -92,6 +94,8 @@ class HedgehogFeatureMap(FeatureMap):
     has_budget: ClassVar[bool] = True
     default_num_features: ClassVar[int] = 64
     # no PositiveFeatures claim: a log-space map is exp(.) by construction, so FM002 cannot fail (spec/claims.rst)
+    #: structure (RT001) and the fitted map's outputs and gradients (EN001), in :mod:`kernelattn_hybrid.claims`
+    claims: ClassVar[tuple[Any, ...]] = HEDGEHOG_CLAIMS
 
     def __init__(
         self,

@@ -55,6 +55,8 @@ capped at :math:`\\tfrac12 \\log` of the dtype's largest number (it only binds w
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -553,3 +555,184 @@ def window_weights_rows(
     w = (s - m).exp() + f.masked_fill(~fe, 0.0) * (top - m).exp()
     den = w.sum(-1, keepdim=True)
     return w / torch.where(den > 0, den, torch.ones_like(den))
+
+
+# ---------------------------------------------------------------------- decoding
+@dataclass
+class WindowState:
+    """Decoding state of causal ``sliding-window`` attention: constant size, whatever the
+    number of positions consumed.
+
+    For the next position :math:`p` the exact set is the last ``w`` positions
+    (:math:`p - w < j \\le p`) and the first ``g`` (global tokens); every other earlier
+    position enters through the features, summed once and for all when it leaves the
+    window.
+
+    Attributes
+    ----------
+    keys, values : Tensor ``[B, H, w, d]``, ``[B, H, w, dv]``
+        Ring buffer of the last ``w`` positions (scaled keys): position ``j`` lives in slot
+        ``j mod w``. Empty, padded and non-finite slots hold zeros.
+    valid : Tensor ``[B, H, w]`` of bool
+        Slots holding a key that may be attended (filled, not padded, finite, not global).
+    sink_keys, sink_values, sink_valid : Tensor ``[B, H, g, .]``
+        The global tokens (positions ``< g``), exact for every later position.
+    features : CausalState or None
+        :math:`\\sum \\phi_k(k_j) v_j^\\top`, :math:`\\sum \\phi_k(k_j)` and the stabiliser of
+        the positions ``g <= j <= p - w`` (:func:`~kernelattn_core.engine.torch_backend.absorb_keys`);
+        ``None`` until a position leaves the window.
+    length : int
+        Positions consumed.
+    poisoned : Tensor ``[B, H]`` of bool
+        A non-finite key or value was consumed: every later row is NaN, as in the forward.
+    owner : StateOwner, optional
+        Set by :meth:`~kernelattn_hybrid.SlidingWindowAttention.step`.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    sink_keys: torch.Tensor
+    sink_values: torch.Tensor
+    sink_valid: torch.Tensor
+    features: Any
+    length: int
+    poisoned: torch.Tensor
+    owner: Any = None
+
+
+def empty_window_state(
+    b: int, h: int, d: int, dv: int, window: int, global_tokens: int, dtype: torch.dtype, device: torch.device
+) -> WindowState:
+    """The state before any position."""
+    new = {"dtype": dtype, "device": device}
+    return WindowState(
+        torch.zeros(b, h, window, d, **new),
+        torch.zeros(b, h, window, dv, **new),
+        torch.zeros(b, h, window, dtype=torch.bool, device=device),
+        torch.zeros(b, h, global_tokens, d, **new),
+        torch.zeros(b, h, global_tokens, dv, **new),
+        torch.zeros(b, h, global_tokens, dtype=torch.bool, device=device),
+        None,
+        0,
+        torch.zeros(b, h, dtype=torch.bool, device=device),
+    )
+
+
+def window_step_one(
+    state: WindowState,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    phi_q: torch.Tensor,
+    key_features: Any,
+    *,
+    log_space: bool,
+    window: int,
+    global_tokens: int,
+    keep: torch.Tensor,
+) -> tuple[torch.Tensor, WindowState]:
+    """Causal sliding-window attention of one new position ``p = state.length``.
+
+    Parameters
+    ----------
+    state : WindowState
+        Of the positions ``< p`` (tensors in the compute dtype).
+    q, k : Tensor ``[B, H, 1, d]``
+        Scaled query and key of position ``p``, finite (non-finite ones were zeroed by the
+        caller, which poisons their rows and sets ``poisoned``).
+    v : Tensor ``[B, H, 1, dv]``
+    phi_q : Tensor ``[B, H, 1, D]``
+        Query features (log-features when ``log_space``).
+    key_features : callable
+        ``k [B, H, T, d] -> [B, H, T, D]``: the key map, applied to the position that
+        leaves the window.
+    keep : Tensor ``[B, H, 1]`` of bool
+        Whether the new key may be attended (not padding, finite).
+
+    Returns
+    -------
+    out : Tensor ``[B, H, 1, dv]``
+        Equal to row ``p`` of the causal forward (the module docstring's combination: the
+        exact part at its largest logit, the feature part at :math:`a + c`, both restated at
+        the row's log-normaliser).
+    state : WindowState
+        Continued with position ``p`` (a new object; ``state`` is not modified).
+    """
+    from kernelattn_core.engine.torch_backend import absorb_keys
+
+    p = state.length
+    g = global_tokens
+    features = state.features
+    keys, values, valid = state.keys, state.values, state.valid
+    sink_keys, sink_values, sink_valid = state.sink_keys, state.sink_values, state.sink_valid
+    if window == 0:  # the new position is a feature key for itself
+        if p >= g:
+            features = absorb_keys(features, key_features(k), v, log_space=log_space, drop=~keep)
+    else:
+        slot = p % window
+        if p >= window:  # position p - w leaves the window: to the features (unless global, padded, ...)
+            leaving = valid[:, :, slot : slot + 1]  # [B, H, 1]
+            lk = key_features(keys[:, :, slot : slot + 1])
+            features = absorb_keys(features, lk, values[:, :, slot : slot + 1], log_space=log_space, drop=~leaving)
+        keys, values, valid = keys.clone(), values.clone(), valid.clone()
+        keys[:, :, slot : slot + 1] = k
+        values[:, :, slot : slot + 1] = v
+        valid[:, :, slot : slot + 1] = keep & (p >= g)
+    if p < g:
+        sink_keys, sink_values, sink_valid = sink_keys.clone(), sink_values.clone(), sink_valid.clone()
+        sink_keys[:, :, p : p + 1] = k
+        sink_values[:, :, p : p + 1] = v
+        sink_valid[:, :, p : p + 1] = keep
+
+    # exact part: the window (non-global positions) and the global tokens, at their largest logit
+    ex_k = torch.cat([keys, sink_keys], dim=2)  # [B, H, w + g, d]
+    ex_v = torch.cat([values, sink_values], dim=2)
+    ex_ok = torch.cat([valid, sink_valid], dim=2)  # [B, H, w + g]
+    s = (q @ ex_k.transpose(-1, -2)).squeeze(-2).masked_fill(~ex_ok, NEG)  # [B, H, w + g]
+    if s.shape[-1]:
+        top_e = s.detach().amax(-1, keepdim=True)
+        m_e = torch.where(torch.isfinite(top_e), top_e, torch.zeros_like(top_e))  # [B, H, 1]
+    else:  # no exact key at all (window 0, no global token)
+        m_e = s.new_zeros((*s.shape[:-1], 1))
+    e = (s - m_e).exp()  # [B, H, w + g], 0 off the set
+    den_e = e.sum(-1, keepdim=True)  # [B, H, 1]
+    num_e = (e.unsqueeze(-2) @ ex_v).squeeze(-2)  # [B, H, dv]
+
+    # feature part: every earlier position that left the window, at a + c
+    if features is not None:
+        lq = phi_q.squeeze(-2)  # [B, H, D]
+        if log_space:
+            a = lq.detach().amax(-1, keepdim=True)
+            a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
+            fq = (lq - a).exp()
+            c = features.m  # [B, H, 1]
+            c_ok = torch.isfinite(c)
+            m_f = a + torch.where(c_ok, c, torch.zeros_like(c))
+        else:
+            fq = lq
+            c_ok = torch.ones_like(m_e, dtype=torch.bool)
+            m_f = torch.zeros_like(m_e)
+        kv, z = features.kv.to(fq.dtype), features.z.to(fq.dtype)
+        num_f = (fq.unsqueeze(-2) @ kv).squeeze(-2) * c_ok  # [B, H, dv]
+        den_f = (fq * z).sum(-1, keepdim=True) * c_ok  # [B, H, 1]
+    else:
+        num_f = torch.zeros_like(num_e)
+        den_f = torch.zeros_like(den_e)
+        m_f = torch.zeros_like(m_e)
+
+    # one log-normaliser for the row (as the blocked forward)
+    with torch.no_grad():
+        top = torch.maximum(m_e + den_e.log(), m_f + den_f.abs().log())
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        cap = 0.5 * math.log(torch.finfo(top.dtype).max)
+        w_e = torch.where(den_e > 0, (m_e - top).clamp(max=0.0).exp(), torch.zeros_like(top))
+        w_f = (m_f - top).clamp(max=cap).exp()
+    num = num_e * w_e + num_f * w_f
+    den = den_e * w_e + den_f * w_f  # [B, H, 1]
+    safe = torch.where(den > 0, den, torch.ones_like(den))
+    out = torch.where(den > 0, num / safe, torch.zeros_like(num)).unsqueeze(-2)  # [B, H, 1, dv]
+    new = WindowState(
+        keys, values, valid, sink_keys, sink_values, sink_valid, features, p + 1, state.poisoned, state.owner
+    )
+    return out, new

@@ -389,3 +389,93 @@ def test_noncausal_far_sums_by_product_and_by_scan_agree_with_naive(monkeypatch,
             grads = torch.autograd.grad(out.square().sum(), (q, k, v, pq, pk))
             for a, b in zip(grads, g_ref):
                 torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------------- decoding state
+def _decode(est, q, k, v, mask, first: int, middle: int = 0):
+    """``first`` positions in one call, then ``middle`` in a second call, then one at a time."""
+    cut = [0, first, first + middle] if middle else [0, first]
+    outs, state = [], None
+    bounds = [*itertools.pairwise(cut), *((t, t + 1) for t in range(cut[-1], q.shape[2]))]
+    for a, b in bounds:
+        one = None if mask is None else mask[:, a:b]
+        out, state = est.step(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], state, key_padding_mask=one)
+        outs.append(out)
+    return torch.cat(outs, dim=2), state
+
+
+@pytest.mark.parametrize(
+    ("window", "glob", "fmap", "padded", "first"),
+    [
+        (w, g, fmap, padded, 1 + 5 * ((w + g) % 2))  # the first call takes one or six positions
+        for w, g, fmap, padded in itertools.product([0, 1, 3, 8], [0, 2], ["hedgehog", "elu"], [False, True])
+    ]
+    + [(3, 1, "prf", True, 6), (0, 0, "prf", False, 1)],
+)
+def test_step_by_step_equals_the_causal_forward(window, glob, fmap, padded, first):
+    """The constant-size state (ring buffer of the last w keys, the global tokens, the
+    feature sums of every position that left the window) gives the causal forward's rows."""
+    est = ka.create("sliding-window", window=window, global_tokens=glob, feature_map=fmap, num_features=8, seed=0)
+    est = est.double().eval()
+    q, k, v = (
+        _rand(2, 3, 23, 4, seed=40, scale=1.5),
+        _rand(2, 3, 23, 4, seed=41, scale=1.5),
+        _rand(2, 3, 23, 5, seed=42),
+    )
+    mask = None
+    if padded:
+        mask = torch.zeros(2, 23, dtype=torch.bool)
+        mask[0, :4] = True  # left padding
+        mask[1, 10:13] = True
+    full = est(q, k, v, causal=True, key_padding_mask=mask)
+    got, state = _decode(est, q, k, v, mask, first)
+    torch.testing.assert_close(got, full, rtol=1e-10, atol=1e-12)
+    assert state.length == 23 and state.keys.shape == (2, 3, window, 4) and state.sink_keys.shape[2] == glob
+
+
+def test_step_continues_several_positions_at_once():
+    est = ka.create("sliding-window", window=3, global_tokens=1, num_features=8).double().eval()
+    q, k, v = _rand(2, 2, 15, 4, seed=43), _rand(2, 2, 15, 4, seed=44), _rand(2, 2, 15, 3, seed=45)
+    full = est(q, k, v, causal=True)
+    got, _ = _decode(est, q, k, v, None, first=4, middle=6)
+    torch.testing.assert_close(got, full, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(("window", "glob"), [(3, 1), (0, 0), (5, 0)])
+def test_step_poisons_the_rows_the_forward_poisons(window, glob):
+    """A NaN key poisons its own and every later row; an inf query its own row; a NaN value
+    at a padded position nothing (the forward's rule, token by token)."""
+    est = ka.create("sliding-window", window=window, global_tokens=glob, num_features=8, head_dim=4)
+    est = est.double().eval()
+    q, k, v = _rand(2, 3, 17, 4, seed=46), _rand(2, 3, 17, 4, seed=47), _rand(2, 3, 17, 5, seed=48)
+    k[0, 1, 6] = float("nan")
+    q[1, 2, 9] = float("inf")
+    v[1, 0, 12, 2] = float("nan")
+    mask = torch.zeros(2, 17, dtype=torch.bool)
+    mask[1, 12] = True
+    full = est(q, k, v, causal=True, key_padding_mask=mask)
+    got, _ = _decode(est, q, k, v, mask, first=4, middle=6)
+    assert torch.equal(got.isnan(), full.isnan()) and int(full.isnan().any(-1).sum()) == 12
+    keep = ~full.isnan()
+    torch.testing.assert_close(got[keep], full[keep], rtol=1e-10, atol=1e-12)
+
+
+def test_state_size_does_not_grow_with_the_context():
+    est = ka.create("sliding-window", window=4, global_tokens=1, num_features=8).eval()
+    x = _rand(1, 2, 200, 4, seed=49).float()
+    _, state = est.step(x[:, :, :1], x[:, :, :1], x[:, :, :1])
+    sizes = []
+    for t in range(1, 200):
+        _, state = est.step(x[:, :, t : t + 1], x[:, :, t : t + 1], x[:, :, t : t + 1], state)
+        if t in (10, 199):
+            sizes.append(sum(f.numel() for f in (state.keys, state.values, state.features.kv, state.features.z)))
+    assert sizes[0] == sizes[1] == 2 * (4 * 4 + 4 * 4 + 8 * 4 + 8)
+
+
+def test_step_refuses_another_windows_state():
+    a = ka.create("sliding-window", window=4, num_features=8)
+    b = ka.create("sliding-window", window=5, num_features=8)
+    x = _rand(1, 2, 3, 4, seed=50).float()
+    _, state = a.step(x, x, x)
+    with pytest.raises(InputError, match="state: expected the state of SlidingWindowAttention\\(window=5"):
+        b.step(x, x, x, state)

@@ -136,3 +136,87 @@ def variance_paper_form(x: torch.Tensor, y: torch.Tensor, feature_map: Any) -> t
         max_degree=None,
         num_features=feature_map.num_features,
     )
+
+
+# --------------------------------------------------------------------------- ppSBN and SchoenbAt (spec 1.1)
+def _post_closed_form(a: float, gamma: float, beta: float | None, form: str) -> float:
+    """The paper's post-scaling of one output entry, in Python floats (signed power for a
+    negative base): Algorithm 1's :math:`\\gamma\\,\\mathrm{sign}(a)|a|^\\beta`, §3.2's
+    :math:`\\mathrm{sign}(\\gamma a)|\\gamma a|^\\beta`, or the released code's :math:`\\gamma a`."""
+    import math
+
+    if form == "gamma_only" or beta is None:
+        return gamma * a
+    if form == "pow_gamma":
+        x = gamma * a
+        return math.copysign(abs(x) ** beta, x) if x != 0 else 0.0
+    return gamma * (math.copysign(abs(a) ** beta, a) if a != 0 else 0.0)
+
+
+def _post_identity(form_of: Any) -> Any:
+    def evaluate(norm: Any, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, str]:
+        dv = norm.channels or 5
+        a = torch.randn(2, 2, 7, dv, generator=generator, dtype=torch.float64)
+        value = norm.post(a)
+        gamma = norm.gamma.detach().double().expand(dv).tolist()
+        beta = None if norm.beta is None else norm.beta.detach().double().expand(dv).tolist()
+        form = form_of(norm)
+        flat = a.reshape(-1, dv).tolist()
+        target = [
+            [_post_closed_form(x, gamma[c], None if beta is None else beta[c], form) for c, x in enumerate(row)]
+            for row in flat
+        ]
+        return value, torch.tensor(target, dtype=torch.float64).reshape(a.shape), f"post_form={form}"
+
+    return evaluate
+
+
+#: RT001: post-scaling as the runtime's own form states it (at trained-like gamma, beta)
+ppsbn_post = _post_identity(lambda norm: norm.post_form)
+#: negative control: the default (Algorithm 1) runtime against §3.2's (gamma a)^beta
+ppsbn_post_other_form = _post_identity(lambda norm: "pow_gamma")
+
+
+def ppsbn_pre(norm: Any, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """RT001: pre-scaling with per-token statistics against the row-by-row reference
+    (:func:`~kernelattn_maclaurin.naive.pre_sbn_naive`) times :math:`s`."""
+    from .naive import pre_sbn_naive
+
+    q = torch.randn(2, 2, 6, 8, generator=generator, dtype=torch.float64) * 1.7 + 0.3
+    k = torch.randn(2, 2, 6, 8, generator=generator, dtype=torch.float64)
+    got_q, got_k = norm.pre(q, k)
+    s = norm.row_scale if norm.row_scale is not None else 8**-0.25
+    want = torch.cat([pre_sbn_naive(q, norm.bn_eps), pre_sbn_naive(k, norm.bn_eps)], -1) * s
+    return torch.cat([got_q, got_k], -1), want, "row standardisation, unit norm, times s"
+
+
+def _ppsbn_claims() -> dict[str, tuple[Any, ...]]:
+    from kernelattn_core.claims import EngineReference, RuntimeIdentity
+
+    return {
+        "ppsbn": (
+            RuntimeIdentity(
+                evaluate=ppsbn_post,
+                label="ppSBN post-scaling",
+                perturb=0.3,
+                options={"post_form": "gamma_pow"},
+                grid=({"post_form": "pow_gamma"}, {"post_form": "gamma_only"}, {"channels": 5}),
+            ),
+            RuntimeIdentity(evaluate=ppsbn_pre, label="ppSBN pre-scaling", options={"row_scale": 0.7}),
+            # at gamma = beta = 1 the two printed forms agree; away from 1 they do not, and the
+            # check must tell them apart
+            RuntimeIdentity(evaluate=ppsbn_post_other_form, label="ppSBN post-scaling", perturb=0.3, expect="fail"),
+        ),
+        # SchoenbAt through the engine at trained-like gamma, beta, in both printed forms
+        "schoenbat": (
+            EngineReference(
+                perturb=0.3,
+                options={"post_form": "pow_gamma", "kernel": "inv"},
+                grid=({"post_form": "gamma_pow", "channels": 5, "kernel": "logi"}, {"post_form": None, "power": False}),
+            ),
+        ),
+    }
+
+
+#: the claims each class of this plugin adds for its options, by registry name
+OPTION_CLAIMS: dict[str, tuple[Any, ...]] = _ppsbn_claims()

@@ -13,6 +13,7 @@ from kernelattn_core.claims import ConsistentAttention
 from kernelattn_core.errors import InputError
 from kernelattn_core.validation import check_scale
 
+from .claims import OPTION_CLAIMS
 from .feature_maps import RandomMaclaurinFeatures
 from .normalizers import PPSBN
 
@@ -205,7 +206,9 @@ class SchoenbAt(RMFA):
     Examples
     --------
     >>> import torch, kernelattn_core as ka
-    >>> attn = ka.KernelAttention(32, 4, estimator="schoenbat", num_features=64, kernel="logi", seed=0)
+    >>> attn = ka.KernelAttention(
+    ...     32, 4, estimator="schoenbat", num_features=64, kernel="logi", seed=0, batch_first=True
+    ... )
     >>> out, _ = attn(torch.randn(2, 10, 32))
     >>> out.shape
     torch.Size([2, 10, 32])
@@ -214,7 +217,7 @@ class SchoenbAt(RMFA):
     name: ClassVar[str] = "schoenbat"
     aliases: ClassVar[tuple[str, ...]] = ("macformer",)
     consistent: ClassVar[bool] = False
-    claims: ClassVar[tuple[Any, ...]] = ()
+    claims: ClassVar[tuple[Any, ...]] = OPTION_CLAIMS["schoenbat"]
     default_normalizer: ClassVar[str] = "ppsbn"
 
     def __init__(

@@ -10,6 +10,8 @@ from torch import nn
 from kernelattn_core import Normalizer
 from kernelattn_core.errors import InputError
 
+from .claims import OPTION_CLAIMS
+
 STATS = ("token", "batch")
 #: post-scaling forms: Algorithm 1's gamma * a^beta, the §3.2 operator (gamma a)^beta, gamma * a
 POST_FORMS = ("gamma_pow", "pow_gamma", "gamma_only")
@@ -99,7 +101,7 @@ class PPSBN(Normalizer):
     name: ClassVar[str] = "ppsbn"
     aliases: ClassVar[tuple[str, ...]] = ("pp-sbn",)
     learnable: ClassVar[bool] = True
-    claims: ClassVar[tuple[Any, ...]] = ()
+    claims: ClassVar[tuple[Any, ...]] = OPTION_CLAIMS["ppsbn"]
 
     def __init__(
         self,

@@ -109,7 +109,7 @@ def test_padded_keys_are_ignored():
 def test_create_and_kernel_attention_with_every_name():
     x = torch.randn(2, 7, 32)
     for name in ("rmfa", "schoenbat", "macformer"):
-        attn = ka.KernelAttention(32, 4, estimator=name, num_features=24, kernel="logi", seed=0)
+        attn = ka.KernelAttention(32, 4, estimator=name, num_features=24, kernel="logi", seed=0, batch_first=True)
         out, weights = attn(0.1 * x if name == "rmfa" else x)
         assert out.shape == x.shape and weights is None and torch.isfinite(out).all()
     assert isinstance(ka.create("macformer"), SchoenbAt)
@@ -122,8 +122,12 @@ def test_create_and_kernel_attention_with_every_name():
 
 
 def test_state_dict_reload_gives_identical_outputs():
-    a = ka.KernelAttention(16, 2, estimator="schoenbat", num_features=24, seed=5, kernel="sqrt").double()
-    b = ka.KernelAttention(16, 2, estimator="schoenbat", num_features=24, seed=6, kernel="sqrt").double()
+    a = ka.KernelAttention(
+        16, 2, estimator="schoenbat", num_features=24, seed=5, kernel="sqrt", batch_first=True
+    ).double()
+    b = ka.KernelAttention(
+        16, 2, estimator="schoenbat", num_features=24, seed=6, kernel="sqrt", batch_first=True
+    ).double()
     x = torch.randn(2, 9, 16, dtype=torch.float64)
     a(x)
     b.load_state_dict(a.state_dict())

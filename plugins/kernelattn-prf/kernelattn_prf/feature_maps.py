@@ -26,6 +26,7 @@ from kernelattn_core.interfaces.feature_map import FusedFeatureSpec
 from . import adaptation
 from .sampling import block_orthogonal_rows, chi_norms, num_blocks
 from .theory import (
+    CEXP_OPTION_CLAIMS,
     derive_cexp_1d,
     derive_hcexp_1d,
     derive_prf_1d,
@@ -351,6 +352,7 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
         UnbiasedKernelEstimate(dims=(16, 64)),
         EstimateVariance(variance=estimate_variance, options={"rule": "fixed", "matrix": 1.25}),
         SymbolicExpectation(derive=derive_cexp_1d),
+        *CEXP_OPTION_CLAIMS,
     )
 
     def __init__(
@@ -629,4 +631,5 @@ class HyperbolicComplexExponentialFeatures(ComplexExponentialFeatures):
         UnbiasedKernelEstimate(dims=(16, 64)),
         EstimateVariance(variance=estimate_variance, options={"rule": "fixed", "matrix": 1.25}),
         SymbolicExpectation(derive=derive_hcexp_1d),
+        *CEXP_OPTION_CLAIMS,
     )

@@ -283,3 +283,52 @@ def hotelling_new_observation_quantile(q: float, n: int, d: int) -> float:
     when mean and covariance are estimated from ``n`` samples (the Hotelling reading of the
     paper's remark, spec 004 §2.4): :math:`\\frac{(n+1)(n-1)d}{n(n-d)} F_{d, n-d}(q)`."""
     return (n + 1) * (n - 1) * d / (n * (n - d)) * f_quantile(q, d, n - d)
+
+
+# --------------------------------------------------------------------------- option coverage (spec 1.1)
+def nonsymmetric_matrix(d: int) -> torch.Tensor:
+    """A fixed invertible, non-symmetric :math:`A` ``[d, d]``: the identity plus a seeded
+    strictly upper-triangular part and a diagonal between 0.7 and 1.3, so that
+    :math:`A^{-T} \\ne A^{-1}` and a map that confused them is biased."""
+    g = torch.Generator().manual_seed(20_261_130)
+    upper = torch.randn(d, d, generator=g, dtype=torch.float64).triu(1) * (0.6 / math.sqrt(d))
+    diag = 0.7 + 0.6 * torch.rand(d, generator=g, dtype=torch.float64)
+    return torch.diag(diag) + upper
+
+
+def fit_anisotropic(feature_map: Any, generator: torch.Generator) -> None:
+    """``setup`` of the data-adapted claims: fit the map's statistics (``rule`` means,
+    variance or full) on queries and keys with different per-coordinate scales, means and a
+    correlation, so :math:`A` is far from the identity (and not diagonal for ``full``)."""
+    d = feature_map.head_dim
+    scale_x = torch.linspace(0.3, 1.5, d, dtype=torch.float64)
+    scale_y = torch.linspace(1.2, 0.4, d, dtype=torch.float64)
+    mix = torch.eye(d, dtype=torch.float64) + 0.3 * torch.randn(d, d, generator=generator, dtype=torch.float64) / d
+    x = torch.randn(512, d, generator=generator, dtype=torch.float64) @ mix * scale_x + 0.2
+    y = torch.randn(512, d, generator=generator, dtype=torch.float64) * scale_y - 0.1
+    feature_map.fit(x * 0.4, y * 0.4)
+
+
+def _cexp_claims() -> tuple[Any, ...]:
+    from kernelattn_core.claims import EngineReference, EstimateVariance, UnbiasedKernelEstimate
+
+    fixed = {"rule": "fixed", "matrix": nonsymmetric_matrix(16)}
+    return (
+        # a non-symmetric A: unbiased and the Lemma 3.1 variance (z = Ax + A^-T y)
+        UnbiasedKernelEstimate(dims=(16,), options=fixed),
+        EstimateVariance(variance=estimate_variance, options=fixed),
+        # A adapted to anisotropic data by every data rule (diagonal and full)
+        UnbiasedKernelEstimate(
+            dims=(16,),
+            setup=fit_anisotropic,
+            options={"rule": "variance"},
+            grid=({"rule": "full"}, {"rule": "means"}),
+        ),
+        EstimateVariance(variance=estimate_variance, setup=fit_anisotropic, options={"rule": "full"}),
+        # the engine with data-adapted statistics (the map's prepare in the loop)
+        EngineReference(setup=lambda est, g: fit_anisotropic(est.feature_map, g), options={"rule": "full"}),
+    )
+
+
+#: claims of ``cexp`` and ``hcexp`` for their options (non-symmetric and data-adapted A)
+CEXP_OPTION_CLAIMS: tuple[Any, ...] = _cexp_claims()

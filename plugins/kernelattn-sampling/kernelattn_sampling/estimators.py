@@ -46,7 +46,7 @@ from .lara import (
     pooled_means,
     segment_means,
 )
-from .theory import derive_lemma_a1_1d, ra_quadrature, target_density_mass
+from .theory import CONSISTENCY_CLAIMS, derive_lemma_a1_1d, ra_quadrature, target_density_mass
 
 NOISE_CHOICES = ("paper", "code")
 
@@ -306,7 +306,10 @@ class RandomizedAttentionBiased(_SamplingEstimator):
         # not consistent either: the mean index replaces the sampled one at every budget, so
         # the bias stays as num_features grows (AT002 negative control; logit_std 2 makes the
         # bias, about 0.11 at both budgets, larger than what the redraws resolve, about 0.08)
-        ConsistentAttention(biased_at_finite_budget=True, budgets=(4, 64), logit_std=2.0, expect="fail"),
+        ConsistentAttention(
+            biased_at_finite_budget=True, budgets=(4, 64), logit_std=2.0, independent_rows=True, expect="fail"
+        ),
+        *CONSISTENCY_CLAIMS["ra-biased"],
     )
     linear: ClassVar[bool] = False
 
@@ -367,7 +370,7 @@ class RFASNIS(AttentionEstimator):
     has_budget: ClassVar[bool] = True
     linear: ClassVar[bool] = True
     default_num_features: ClassVar[int] = 64
-    claims: ClassVar[tuple[Any, ...]] = (ConsistentAttention(biased_at_finite_budget=True, budgets=(4, 64)),)
+    claims: ClassVar[tuple[Any, ...]] = CONSISTENCY_CLAIMS["rfa-snis"]
 
     def __init__(
         self,
@@ -504,9 +507,7 @@ class LinearRandomizedAttention(AttentionEstimator):
     has_budget: ClassVar[bool] = True
     linear: ClassVar[bool] = True
     default_num_features: ClassVar[int] = 16
-    claims: ClassVar[tuple[Any, ...]] = (
-        ConsistentAttention(biased_at_finite_budget=True, budgets=(2, 16), seq_len=16),
-    )
+    claims: ClassVar[tuple[Any, ...]] = CONSISTENCY_CLAIMS["lara"]
 
     def __init__(
         self,

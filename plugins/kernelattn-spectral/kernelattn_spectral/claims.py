@@ -161,3 +161,22 @@ def evaluate_gmm_prf_2d(dps: int) -> tuple[Any, Any, str]:
             value += _gauss_normal_expectation(f, dps)
         value /= len(MEANS_2D)
         return value, gmm_prf_closed_form_2d(dps), "2-D Gauss-Hermite (60^2 nodes) over n ~ N(0, I)"
+
+
+# --------------------------------------------------------------------------- option coverage (spec 1.1)
+def _generative_claims() -> tuple[Any, ...]:
+    from kernelattn_core.claims import EngineReference
+
+    # a small generator network at trained-like weights: the engine's outputs and the
+    # gradients reaching every weight of the network (what fitting the spectral density uses)
+    return (
+        EngineReference(
+            perturb=0.1,
+            options={"noise_dim": 4, "hidden_dims": (16, 16), "output_scale": 0.5},
+            grid=({"noise_dim": 6, "hidden_dims": (12,), "negative_slope": 0.0, "output_scale": 1.5},),
+        ),
+    )
+
+
+#: claims of the generative maps for their options (network shape, slope, output scale)
+GENERATIVE_CLAIMS: tuple[Any, ...] = _generative_claims()

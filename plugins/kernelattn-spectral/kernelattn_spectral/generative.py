@@ -15,6 +15,7 @@ from kernelattn_core.errors import InputError
 from kernelattn_core.interfaces.feature_map import FeatureMap
 
 from ._base import check_int, check_positive_float, prf_log_features, rks_features
+from .claims import GENERATIVE_CLAIMS
 
 #: default number of Linear + BatchNorm + LeakyReLU blocks (the paper: four)
 DEFAULT_BLOCKS = 4
@@ -153,6 +154,7 @@ class GenerativeRKSFeatureMap(_GenerativeFeatureMap):
     name: ClassVar[str] = "generative-rks"
     positive: ClassVar[bool] = False
     log_space: ClassVar[bool] = False
+    claims: ClassVar[tuple[Any, ...]] = GENERATIVE_CLAIMS
 
     def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
         return rks_features(self._projections(x))  # [..., 2M]
@@ -174,7 +176,7 @@ class GenerativePRFFeatureMap(_GenerativeFeatureMap):
     name: ClassVar[str] = "generative-prf"
     positive: ClassVar[bool] = True
     log_space: ClassVar[bool] = True
-    claims: ClassVar[tuple[Any, ...]] = ()
+    claims: ClassVar[tuple[Any, ...]] = GENERATIVE_CLAIMS
 
     def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
         return prf_log_features(self._projections(x), x)  # [..., M] (log)

@@ -65,7 +65,7 @@ def test_positive_maps_finite_in_half_precision(name: str) -> None:
 @pytest.mark.parametrize("name", MAPS)
 def test_trains_end_to_end_in_kernel_attention(name: str) -> None:
     torch.manual_seed(0)
-    model = ka.KernelAttention(16, 2, estimator=name, num_features=16, redraw_every=100, seed=3)
+    model = ka.KernelAttention(16, 2, estimator=name, num_features=16, redraw_every=100, seed=3, batch_first=True)
     x = torch.randn(3, 7, 16)
     mask = torch.zeros(3, 7, dtype=torch.bool)
     mask[0, 5:] = True

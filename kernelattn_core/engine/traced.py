@@ -1,0 +1,160 @@
+"""Feature-map attention for ``torch.compile``: one graph, no data-dependent branches.
+
+The eager engine (:mod:`kernelattn_core.engine.grouped`) decides at run time, with one
+reduction read back to Python, whether a call holds a non-finite value to quarantine,
+gathers the chunks whose stabiliser moves with ``nonzero``, and writes its own backward
+pass with local autograd graphs. Each of these breaks a ``torch.compile`` graph (21 breaks
+per forward of a ``prf`` layer). Under compilation
+(:func:`torch.compiler.is_compiling`) the torch backend runs this module instead: the
+same mathematics with every check a tensor operation, differentiated by autograd, so
+Dynamo traces the whole estimator as one graph (``fullgraph=True``) in training and in
+eval, and Inductor fuses the masks into the surrounding kernels.
+
+* **Quarantine, always applied.** Key rows whose features or values are not finite and
+  padded keys are removed with ``masked_fill`` (the cost is a few element-wise passes the
+  compiler fuses); query rows that are not finite enter as 0. The rows that see a removed
+  non-finite key (causal: the later rows of its head; non-causal: every row of its head)
+  and non-finite query rows are NaN at the end: the eager engine's rule, with the same
+  zero gradients for the finite rows.
+* **Causal form.** Chunks of ``C`` positions: inside a chunk the gated product
+  :math:`A_{tj} = [j \\le t]\\, e^{m_j - m_t} \\hat\\phi_q(q_t)^\\top \\hat\\phi_k(k_j)`; across
+  chunks the states
+  :math:`S_c = \\sum_{c' < c} e^{M_{c'} - M_{c-1}} U_{c'}` from one ``[n_c, n_c]`` gate
+  matrix (every factor :math:`\\le 1`), with
+  :math:`U_c = \\sum_{j \\in c} e^{m_j - M_c} \\hat\\phi_k(k_j) \\tilde v_j^\\top`, where
+  :math:`m` is the prefix maximum of the key log-features and :math:`M_c` its value at the
+  end of chunk ``c`` (the causal-safe stabiliser of
+  :mod:`kernelattn_core.engine.torch_backend`). Time :math:`O(N C D + n_c^2 D d_v)`, memory
+  :math:`O(N D + n_c D d_v)`; the eager engine keeps :math:`O(N / G)` states instead and
+  recomputes the features in its backward pass.
+
+Equal to the eager engine on outputs and gradients (``tests/test_compile.py`` runs this
+path eagerly against it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .torch_backend import compute_dtype
+
+#: positions per chunk of the traced causal form
+TRACED_CHUNK = 64
+
+
+def tracing() -> bool:
+    """Whether Dynamo is tracing (``torch.compile``, ``torch._dynamo.explain``, export)."""
+    return bool(torch.compiler.is_compiling())
+
+
+def _bad(x: torch.Tensor, log_space: bool) -> torch.Tensor:
+    """``[...]`` rows of ``x [..., n]`` holding NaN or inf (``-inf`` is a valid log-feature)."""
+    if log_space:
+        return (torch.isnan(x) | torch.isposinf(x)).any(-1)
+    return ~torch.isfinite(x).all(-1)
+
+
+def traced_feature_attention(
+    feature_map: Any,
+    normalizer: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    scale: float = 1.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """``normalizer.normalize(num, den)`` of feature-map attention on ``scale * q`` and
+    ``scale * k`` (``[B, H, N, d]``, ``[B, H, M, d]``, values ``[B, H, M, dv]``), traced
+    without graph breaks (module docstring). Computed in
+    :func:`~kernelattn_core.engine.torch_backend.compute_dtype`; the caller casts back."""
+    fm = feature_map
+    log_space = bool(fm.log_space)
+    dtype = compute_dtype(q.dtype)
+    if scale != 1.0:
+        q, k = q * scale, k * scale
+    b, m = q.shape[0], k.shape[2]
+    lq = fm.raw_features(q, query=True).to(dtype)  # [B, H, N, D]; a non-finite row is NaN (isolated)
+    lk = fm.raw_features(k, query=False).to(dtype)  # [B, H, M, D]
+    v = v.to(dtype)
+    pad = torch.zeros(b, 1, m, dtype=torch.bool, device=q.device)
+    if key_padding_mask is not None:
+        pad = key_padding_mask[:, None, :]
+    bad_k = (_bad(lk, log_space) | ~torch.isfinite(v).all(-1)) & ~pad  # [B, H, M]
+    drop = (pad | bad_k).unsqueeze(-1)  # [B, H, M, 1]
+    bad_q = _bad(lq, log_space)  # [B, H, N]
+    empty = float("-inf") if log_space else 0.0
+    lq = lq.masked_fill(bad_q.unsqueeze(-1), empty)
+    lk = lk.masked_fill(drop, empty)
+    v = v.masked_fill(drop, 0.0)
+    if log_space:
+        a = lq.detach().amax(-1, keepdim=True)
+        fq = (lq - torch.where(torch.isfinite(a), a, torch.zeros_like(a))).exp()  # [B, H, N, D], <= 1
+    else:
+        fq = lq
+    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, M, dv + 1]: den as the last column
+    if causal:
+        out = _causal(fq, lk, v1, log_space, chunk_size or TRACED_CHUNK)
+        poison = bad_k.cummax(-1).values | bad_q  # [B, H, N]
+    else:
+        if log_space:
+            c = lk.detach().amax(-1).amax(-1)[..., None, None]  # [B, H, 1, 1]
+            fk = (lk - torch.where(torch.isfinite(c), c, torch.zeros_like(c))).exp()
+        else:
+            fk = lk
+        out = fq @ (fk.transpose(-1, -2) @ v1)  # [B, H, N, dv + 1]
+        poison = bad_k.any(-1, keepdim=True) | bad_q
+    num, den = out[..., :-1], out[..., -1]
+    result = normalizer.normalize(num, den)
+    return result.masked_fill(poison.unsqueeze(-1), float("nan"))
+
+
+def _causal(fq: torch.Tensor, lk: torch.Tensor, v1: torch.Tensor, log_space: bool, chunk: int) -> torch.Tensor:
+    """``[B, H, N, dv + 1]``: :math:`\\sum_{j \\le t} \\hat\\phi_q(q_t)^\\top \\hat\\phi_k(k_j) \\tilde v_j`
+    with the prefix stabiliser, chunk by chunk (module docstring). ``lk``: key
+    log-features (dropped keys ``-inf``) or plain features (dropped keys 0)."""
+    b, h, n, d_feat = fq.shape
+    e = v1.shape[-1]
+    c = max(1, min(chunk, n))
+    extra = -n % c
+    if extra:  # zero queries and dropped keys after the end change nothing
+        fq = torch.nn.functional.pad(fq, (0, 0, 0, extra))
+        lk = torch.nn.functional.pad(lk, (0, 0, 0, extra), value=float("-inf") if log_space else 0.0)
+        v1 = torch.nn.functional.pad(v1, (0, 0, 0, extra))
+    nc = (n + extra) // c
+    tri = torch.ones(c, c, dtype=torch.bool, device=fq.device).tril()
+    if log_space:
+        raw = lk.detach().amax(-1).cummax(-1).values  # [B, H, L]: prefix maximum, -inf before the first key
+        finite = torch.isfinite(raw)
+        first = torch.where(finite, raw, torch.full_like(raw, float("inf"))).amin(-1, keepdim=True)
+        first = torch.where(torch.isfinite(first), first, torch.zeros_like(first))
+        mk = torch.where(finite, raw, first)  # [B, H, L], non-decreasing, finite
+        fk = (lk - mk.unsqueeze(-1)).exp()  # [B, H, L, D], <= 1, dropped keys 0
+        mc = mk.unflatten(-1, (nc, c))  # [B, H, nc, C]
+        m_end = mc[..., -1]  # [B, H, nc]: M_c
+        m_prev = torch.cat([mc[..., :1, 0], m_end[..., :-1]], dim=-1)  # [B, H, nc]: M_{c-1} (M_{-1}: any)
+        gate = (mc.unsqueeze(-2) - mc.unsqueeze(-1)).masked_fill(~tri, float("-inf")).exp()  # [.., C(t), C(j)]
+        restate = (mc - m_end.unsqueeze(-1)).exp()  # [B, H, nc, C]: e^{m_j - M_c}
+        into = (m_prev.unsqueeze(-1) - mc).exp()  # [B, H, nc, C]: e^{M_{c-1} - m_t}
+        cross = m_end.unsqueeze(-2) - m_prev.unsqueeze(-1)  # [B, H, nc(c), nc(c')]: M_c' - M_{c-1}
+    else:
+        fk = lk
+        gate = tri.to(fq.dtype)
+        restate = into = None
+        cross = torch.zeros(b, h, nc, nc, dtype=fq.dtype, device=fq.device)
+    strict = torch.ones(nc, nc, dtype=torch.bool, device=fq.device).tril(-1)
+    gamma = cross.masked_fill(~strict, float("-inf")).exp()  # [B, H, nc, nc]: c' < c
+    qc, kc, vc = fq.unflatten(2, (nc, c)), fk.unflatten(2, (nc, c)), v1.unflatten(2, (nc, c))
+    local = ((qc @ kc.transpose(-1, -2)) * gate) @ vc  # [B, H, nc, C, e]
+    kr = kc if restate is None else kc * restate.unsqueeze(-1)
+    u = (kr.transpose(-1, -2) @ vc).flatten(-2)  # [B, H, nc, D e]
+    states = (gamma @ u).unflatten(-1, (d_feat, e))  # [B, H, nc, D, e]: S_c before chunk c
+    inter = qc @ states  # [B, H, nc, C, e]
+    if into is not None:
+        inter = inter * into.unsqueeze(-1)
+    out = (local + inter).flatten(2, 3)  # [B, H, L, e]
+    return out[:, :, :n]

@@ -1,0 +1,239 @@
+"""Measure the goals of the decoder work (issue #24) on this machine.
+
+Three measurements, each printing one JSON record per line (and writing them with
+``--json FILE``). Timing figures need a quiet machine: run one at a time, nothing else
+running, and say which machine gave them.
+
+``decode``
+    Tokens per second of greedy decoding at a given context length and the bytes of the
+    decoding cache, for the original model (softmax attention, ``sdpa``, its key-value
+    ``DynamicCache``) and for the converted model (``prf``, ``hedgehog``, ``sliding-window``
+    on their constant-size states). The model is the teacher's architecture (GPT-2, width
+    256, 4 layers, 4 heads, byte vocabulary) with random weights and positions up to the
+    longest context: speed and memory do not depend on the weights. Each context is
+    prefilled once, then ``--tokens`` tokens are decoded one by one.
+
+``compile``
+    One training step (forward, backward, Adam) of a small causal LM built from
+    :class:`~kernelattn_core.KernelAttention` (``prf``, ``hedgehog``): eager, the first
+    compiled step (``torch.compile(fullgraph=True)``, Inductor: the compile time) and the
+    compiled steady state, medians of ``--repeats`` steps.
+
+``perplexity``
+    Held-out perplexity of a teacher checkpoint and of students converted from it and
+    fitted with :func:`~kernelattn_core.distill_attention` on the fitting text, at a
+    budget of 128 per query (``sliding-window``: 64 window keys + 64 features;
+    ``hedgehog`` and ``prf``: 128 features). Any local decoder checkpoint works.
+
+Examples::
+
+    python scripts/decoder_goals.py decode --contexts 1024 4096 16384 --threads 2
+    python scripts/decoder_goals.py compile --threads 2
+    python -m kernelattn_core.convert.teacher --output teacher --minutes 10
+    python scripts/decoder_goals.py perplexity teacher --steps 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+STUDENTS: dict[str, dict[str, Any]] = {
+    "sliding-window": {"window": 64, "num_features": 64},
+    "hedgehog": {"num_features": 128},
+    "prf": {"num_features": 128, "seed": 0},
+}
+
+
+def emit(record: dict[str, Any], sink: list[dict[str, Any]]) -> None:
+    sink.append(record)
+    print(json.dumps(record), flush=True)
+
+
+# ---------------------------------------------------------------------- decode
+def decode_model(max_context: int) -> Any:
+    import transformers
+
+    from kernelattn_core.convert.teacher import SIZES
+
+    torch.manual_seed(0)
+    sizes = dict(SIZES["small"], n_positions=max_context + 64)
+    config = transformers.GPT2Config(vocab_size=384, bos_token_id=1, eos_token_id=1, pad_token_id=0, **sizes)
+    config._attn_implementation = "sdpa"
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+@torch.no_grad()
+def time_decoding(model: Any, context: int, tokens: int, cache: Any) -> dict[str, float]:
+    ids = torch.randint(3, 384, (1, context), generator=torch.Generator().manual_seed(context))
+    t0 = time.perf_counter()
+    out = model(input_ids=ids, cache=cache, use_cache=True)
+    prefill = time.perf_counter() - t0
+    cache = out.cache
+    nxt = out.logits[:, -1:].argmax(-1)
+    times = []
+    for _ in range(tokens):
+        t0 = time.perf_counter()
+        out = model(input_ids=nxt, cache=cache, use_cache=True)
+        times.append(time.perf_counter() - t0)
+        nxt = out.logits[:, -1:].argmax(-1)
+    if hasattr(cache, "nbytes"):
+        size = cache.nbytes()
+    else:
+        size = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
+    return {"prefill_s": prefill, "tokens_per_s": 1.0 / statistics.median(times), "cache_bytes": size}
+
+
+def run_decode(args: argparse.Namespace, sink: list[dict[str, Any]]) -> None:
+    import kernelattn_core as ka
+    from kernelattn_core.convert import KernelCache
+
+    base = decode_model(max(args.contexts))
+    models = {"softmax (original, KV cache)": base}
+    for name in args.estimators:
+        models[name] = ka.convert_attention(base, name, **STUDENTS[name]).eval()
+    for context in args.contexts:
+        for label, model in models.items():
+            cache = None if model is base else KernelCache()
+            result = time_decoding(model, context, args.tokens, cache)
+            emit({"measure": "decode", "model": label, "context": context, **result}, sink)
+
+
+# ---------------------------------------------------------------------- compile
+class _Block(torch.nn.Module):
+    def __init__(self, width: int, heads: int, name: str, options: dict[str, Any]) -> None:
+        import kernelattn_core as ka
+
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.attn = ka.KernelAttention(width, heads, name, causal=True, batch_first=True, **options)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyLM(torch.nn.Module):
+    """Token and position embeddings, ``depth`` blocks of kernelized attention, a tied head."""
+
+    def __init__(self, name: str, options: dict[str, Any], vocab: int = 384, width: int = 256, depth: int = 4) -> None:
+        super().__init__()
+        self.embed, self.pos = torch.nn.Embedding(vocab, width), torch.nn.Embedding(1024, width)
+        self.blocks = torch.nn.ModuleList(_Block(width, 4, name, options) for _ in range(depth))
+        self.norm = torch.nn.LayerNorm(width)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.norm(x) @ self.embed.weight.T
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def run_compile(args: argparse.Namespace, sink: list[dict[str, Any]]) -> None:
+    for name in args.estimators:
+        options = {k: v for k, v in STUDENTS[name].items() if k != "window"}
+        ids = torch.randint(0, 384, (args.batch, args.length), generator=torch.Generator().manual_seed(0))
+        record: dict[str, Any] = {"measure": "compile", "estimator": name, "batch": args.batch, "length": args.length}
+        for mode in ("eager", "compiled"):
+            torch.manual_seed(0)
+            model = TinyLM(name, options).train()
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+            run = torch.compile(model, fullgraph=True) if mode == "compiled" else model
+
+            def step(run: Any = run, opt: Any = opt, ids: torch.Tensor = ids) -> float:
+                t0 = time.perf_counter()
+                loss = run(ids)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                return time.perf_counter() - t0
+
+            first = step()
+            times = [step() for _ in range(args.repeats)]
+            record[f"{mode}_first_s"] = first
+            record[f"{mode}_step_s"] = statistics.median(times)
+        record["compiled_over_eager"] = record["compiled_step_s"] / record["eager_step_s"]
+        emit(record, sink)
+        torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------- perplexity
+def run_perplexity(args: argparse.Namespace, sink: list[dict[str, Any]]) -> None:
+    import kernelattn_core as ka
+    from kernelattn_core.convert import lm
+    from kernelattn_core.workloads import minilm
+
+    teacher, tokenizer = lm.load_decoder(args.checkpoint)
+    held_out = lm.pack_causal(tokenizer, minilm.read_texts(args.eval_texts), max_length=args.max_length)
+    fit = lm.pack_causal(
+        tokenizer, minilm.read_texts(args.fit_texts), max_length=args.max_length, max_sequences=args.fit_sequences
+    )
+    base = lm.perplexity(teacher, held_out)
+    emit({"measure": "perplexity", "model": "teacher", "held_out_perplexity": base}, sink)
+    for name in args.estimators:
+        t0 = time.perf_counter()
+        student = ka.convert_attention(teacher, name, **STUDENTS[name])
+        before = lm.perplexity(student, held_out)
+        report = ka.distill_attention(student, teacher, [fit], steps=args.steps, lr=args.lr, rows=128, progress=False)
+        after = lm.perplexity(student, held_out)
+        emit(
+            {
+                "measure": "perplexity",
+                "model": name,
+                "options": STUDENTS[name],
+                "held_out_perplexity_unfitted": before,
+                "held_out_perplexity": after,
+                "over_teacher": after / base,
+                "fit_steps": args.steps,
+                "fit_seconds": report.seconds,
+                "seconds": time.perf_counter() - t0,
+            },
+            sink,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (the goals are for 2 cores)")
+    parser.add_argument("--json", help="also write the records to this file")
+    sub = parser.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("decode")
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--estimators", nargs="+", default=list(STUDENTS))
+    p = sub.add_parser("compile")
+    p.add_argument("--estimators", nargs="+", default=["prf", "hedgehog"])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--length", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=5)
+    p = sub.add_parser("perplexity")
+    p.add_argument("checkpoint", help="a local decoder folder (with its tokenizer)")
+    p.add_argument("--estimators", nargs="+", default=list(STUDENTS))
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--fit-sequences", type=int, default=None)
+    p.add_argument("--fit-texts", default="fitting")
+    p.add_argument("--eval-texts", default="held-out")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    sink: list[dict[str, Any]] = []
+    {"decode": run_decode, "compile": run_compile, "perplexity": run_perplexity}[args.what](args, sink)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            fh.write("\n".join(json.dumps(r) for r in sink) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

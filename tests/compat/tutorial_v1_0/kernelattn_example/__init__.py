@@ -1,0 +1,5 @@
+"""kernelattn-example: the tutorial plugin."""
+
+from .feature_map import AntitheticPRF
+
+__all__ = ["AntitheticPRF"]

@@ -1,0 +1,138 @@
+"""A model that compiles: ``torch.compile(fullgraph=True)`` traces feature-map estimators,
+hedgehog and sliding-window as one graph, in training and in eval.
+
+Under compilation the torch backend runs :mod:`kernelattn_core.engine.traced` (every
+non-finite check a tensor operation, autograd's backward); here it is checked against the
+eager engine (outputs and gradients, NaN/inf inputs and padding included), Dynamo's
+``explain`` counts 0 graph breaks (the eager engine had 21 per ``prf`` forward: ``.item()``,
+``bool(tensor)``, ``nonzero``), and a ``fullgraph=True`` compile (``aot_eager``: tracing
+and autograd without code generation, cheap) trains like eager. CI cost: about 40 s on the
+shared 2-core machine.
+Compile time and the compiled step's speed are measured by ``benchmarks/decoder_goals.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+
+import kernelattn_core as ka
+from kernelattn_core.engine.traced import traced_feature_attention
+from kernelattn_core.interfaces import Normalizer
+
+COMPILED = {
+    "prf": {"num_features": 16, "seed": 0},
+    "hedgehog": {"num_features": 16},
+    "sliding-window": {"window": 4, "num_features": 16},
+}
+
+
+def _module(name: str, causal: bool) -> ka.KernelAttention:
+    torch.manual_seed(0)
+    return ka.KernelAttention(32, 4, name, causal=causal, batch_first=True, **COMPILED[name])
+
+
+@pytest.mark.parametrize("name", sorted(COMPILED))
+def test_dynamo_traces_the_estimator_without_a_graph_break(name: str) -> None:
+    x = torch.randn(2, 40, 32, requires_grad=True)
+    pad = torch.zeros(2, 40, dtype=torch.bool)
+    pad[1, 30:] = True
+    for causal, training in ((True, True), (False, False)):
+        module = _module(name, causal).train(training)
+
+        def run(x: torch.Tensor, pad: torch.Tensor, module: ka.KernelAttention = module) -> torch.Tensor:
+            return module(x, key_padding_mask=pad)[0]
+
+        report = dynamo.explain(run)(x, pad)
+        reasons = [b.reason.splitlines()[0] for b in report.break_reasons]
+        assert report.graph_break_count == 0 and report.graph_count == 1, (causal, training, reasons)
+        dynamo.reset()
+
+
+def test_the_eager_engine_does_break_the_graph() -> None:
+    """The control: the eager engine itself, called directly, breaks on its checks."""
+    from kernelattn_core.engine.grouped import grouped_feature_attention
+
+    fm = _module("prf", True).estimator.feature_map
+    x = torch.randn(2, 4, 40, 8)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return grouped_feature_attention(fm, x, x, x, causal=True, key_padding_mask=None)[0]
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch's own, tracing an autograd.Function
+        report = dynamo.explain(run)(x)
+    assert report.graph_break_count > 0
+    dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["prf", "sliding-window"])
+def test_a_fullgraph_compiled_training_step_equals_eager(name: str) -> None:
+    eager, compiled_module = _module(name, True).train(), _module(name, True).train()
+    compiled = torch.compile(compiled_module, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 40, 32)
+    pad = torch.zeros(2, 40, dtype=torch.bool)
+    pad[0, :3] = True
+    outs = []
+    for model in (eager, compiled):
+        out, _ = model(x, key_padding_mask=pad)
+        out.square().mean().backward()
+        outs.append(out.detach())
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    for (n, a), b in zip(eager.named_parameters(), compiled_module.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=n)
+    dynamo.reset()
+
+
+@pytest.mark.parametrize(
+    ("name", "causal", "padded", "poisoned"),
+    [
+        (name, causal, padded, padded)
+        for name, causal, padded in itertools.product(
+            ["prf", "elu", "hedgehog", "rfa", "gmm-prf"], [True, False], [0, 1]
+        )
+    ]
+    + [("prf", True, True, False), ("elu", False, False, True)],
+)
+def test_traced_form_equals_the_eager_engine(name: str, causal: bool, padded: bool, poisoned: bool) -> None:
+    """The traced form run eagerly against the grouped engine: outputs, NaN rows and the
+    gradients of the finite rows (float64, 37 positions, chunks of 8)."""
+    opts = {"num_features": 8} | ({"seed": 0} if name in ("prf", "rfa", "gmm-prf") else {})
+    est = ka.create(name, **opts).double().eval()
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, 37, w, generator=g, dtype=torch.float64).requires_grad_() for w in (4, 4, 3))
+    mask = None
+    if padded:
+        mask = torch.zeros(2, 37, dtype=torch.bool)
+        mask[0, :5] = True
+        mask[1, 30:] = True
+    qq, kk, vv = q, k, v
+    if poisoned:
+        qq, kk, vv = q.clone(), k.clone(), v.clone()
+        with torch.no_grad():
+            kk[0, 1, 20] = float("nan")
+            qq[1, 0, 7] = float("inf")
+            vv[1, 1, 31, 0] = float("nan")  # padded when padded
+    ref = est(qq, kk, vv, causal=causal, key_padding_mask=mask)
+    root = est._input_root(4)
+    qs, ks = qq * root, kk * root
+    if type(est.normalizer).pre is not Normalizer.pre:
+        qs, ks = est.normalizer.pre(qs, ks)
+    got = est._post(
+        traced_feature_attention(
+            est.feature_map, est.normalizer, qs, ks, vv, causal=causal, key_padding_mask=mask, chunk_size=8
+        )
+    )
+    assert torch.equal(ref.isnan(), got.isnan())
+    keep = ~ref.isnan()
+    torch.testing.assert_close(got[keep], ref[keep], rtol=1e-10, atol=1e-12)
+    w = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    g_ref = torch.autograd.grad((torch.where(keep, ref, 0) * w).sum(), (q, k, v))
+    g_got = torch.autograd.grad((torch.where(keep, got, 0) * w).sum(), (q, k, v))
+    for a, b in zip(g_got, g_ref):
+        assert bool(torch.isfinite(a).all())
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)

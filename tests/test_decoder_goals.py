@@ -1,0 +1,40 @@
+"""scripts/decoder_goals.py measures what the issue's goals ask for: here its decoding
+measurement on short contexts, for what does not depend on a quiet machine (the caches'
+bytes). CI cost: about 10 s."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "decoder_goals.py"
+
+
+def load_script():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("decoder_goals", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_decode_records_flat_state_memory_and_a_growing_kv_cache() -> None:
+    goals = load_script()
+    sink: list[dict] = []
+    args = argparse.Namespace(contexts=[80, 128], tokens=2, estimators=["prf", "sliding-window"])
+    goals.run_decode(args, sink)
+    assert len(sink) == 6 and all(r["tokens_per_s"] > 0 for r in sink)
+    size = {(r["model"], r["context"]): r["cache_bytes"] for r in sink}
+    original = "softmax (original, KV cache)"
+    # the original's key-value cache: 4 layers x (keys + values) x 256 wide x float32 per position
+    per_token = 4 * 2 * 256 * 4
+    assert size[(original, 128)] - size[(original, 80)] == per_token * 48
+    for name in ("prf", "sliding-window"):
+        assert (
+            size[(name, 80)] == size[(name, 128)] > 0
+        )  # the same state whatever the context (beyond the window of 64)
+        assert size[(name, 128)] < size[(original, 128)]
