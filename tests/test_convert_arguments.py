@@ -91,6 +91,21 @@ BAD_CONVERT_ARGUMENTS: dict[str, tuple[list[str], str]] = {
     "save-in-a-missing-folder": (["--save", "FILES/nofolder/model.pt"], "--save"),
     "output-is-a-folder": (["--output", "FILES/emptydir"], "--output"),
     "dtype-not-a-choice": (["--dtype", "float16"], "--dtype"),
+    # the stages of issue 28
+    "passages-zero": (["--passages", "0"], "--passages"),
+    "e2e-steps-negative": (["--e2e-steps", "-1"], "--e2e-steps"),
+    "e2e-batch-zero": (["--e2e-batch", "0"], "--e2e-batch"),
+    "e2e-length-2": (["--e2e-length", "2"], "--e2e-length"),
+    "e2e-length-not-ints": (["--e2e-length", "128,x"], "--e2e-length"),
+    "e2e-weight-negative": (["--e2e-weight", "-1"], "--e2e-weight"),
+    "e2e-length-beyond-the-model": (["--e2e-length", "100000"], "--e2e-length"),
+    "e2e-lr-zero": (["--e2e-lr", "0"], "--e2e-lr"),
+    "lora-rank-negative": (["--lora-rank", "-1"], "--lora-rank"),
+    "anchor-negative": (["--anchor", "-1"], "--anchor"),
+    "allocate-windows-not-ints": (["--allocate-windows", "a,b"], "--allocate-windows"),
+    "allocate-too-small": (["--allocate", "10", "--allocate-windows", "8"], "--allocate-windows"),
+    "allocate-steps-zero": (["--allocate-steps", "0"], "--allocate-steps"),
+    "eval-texts-second-missing": (["--eval-texts", "FILES/ok.txt", "FILES/nope.txt"], "--eval-texts"),
 }
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -72,12 +72,17 @@ class LayerReport:
 
 @dataclass
 class DistillReport:
-    """What :func:`distill_attention` did: one :class:`LayerReport` per layer."""
+    """What :func:`distill_attention` did: one :class:`LayerReport` per layer, and, when
+    evaluation texts were given, one
+    :class:`~kernelattn_core.convert.report.EmbeddingReport` per text (embedding cosine
+    by length bucket and on 128/512-token passages, nearest-neighbour agreement,
+    Spearman correlation of the similarity matrices)."""
 
     loss: str
     steps: int
     layers: list[LayerReport] = field(default_factory=list)
     seconds: float = 0.0
+    embeddings: list[Any] = field(default_factory=list)
 
     def records(self) -> list[dict[str, Any]]:
         """One dict per layer (for tables and JSON)."""
@@ -269,6 +274,38 @@ class _Bar:
             self._plain.__exit__(None, None, None)
 
 
+def _fit_layer(
+    est: nn.Module,
+    layer: _Layer,
+    *,
+    steps: int,
+    lr: float,
+    loss: str,
+    rows: int,
+    gen: torch.Generator,
+    bar: _Bar | None = None,
+    label: str = "",
+) -> None:
+    """Adam on the estimator's trainable parameters, one sequence per step, ``rows``
+    random valid query rows in the loss (the estimator must be in eval mode)."""
+    params = [p for p in est.parameters() if p.requires_grad]
+    if not params or not steps:
+        for _ in range(steps if bar is not None else 0):
+            bar.advance(f"{label} (nothing to fit)")  # type: ignore[union-attr]
+        return
+    opt = torch.optim.Adam(params, lr=lr)
+    for step in range(steps):
+        i = step % len(layer.q)
+        valid = _valid_rows(layer, i)
+        pick = valid[torch.randperm(len(valid), generator=gen)[:rows]].sort().values
+        value = _loss(est, layer, i, pick, loss)
+        opt.zero_grad()
+        value.backward()
+        opt.step()
+        if bar is not None:
+            bar.advance(f"{label} {loss} {value.item():.4f}")
+
+
 def distill_attention(
     student: nn.Module,
     teacher: nn.Module,
@@ -280,6 +317,8 @@ def distill_attention(
     rows: int = 128,
     seed: int = 0,
     progress: bool | None = None,
+    eval_texts: dict[str, str] | Sequence[str] | None = None,
+    tokenizer: Any = None,
 ) -> DistillReport:
     """Fit every converted layer of ``student`` to the softmax attention of ``teacher``.
 
@@ -309,11 +348,20 @@ def distill_attention(
         Seed of the row sampling.
     progress : bool, optional
         Progress bar on stderr (default: when stderr is a terminal).
+    eval_texts : dict or sequence of str, optional
+        Held-out texts (``name -> text``, or names of
+        :func:`~kernelattn_core.workloads.minilm.read_texts`) on which the fitted model's
+        embeddings are compared with the teacher's after the fit
+        (:func:`~kernelattn_core.convert.report.embedding_report`; Hugging Face encoders).
+        Never the fitting text.
+    tokenizer : optional
+        The models' tokenizer (needed with ``eval_texts``).
 
     Returns
     -------
     DistillReport
-        Per layer: loss and output relative error before and after, seconds.
+        Per layer: loss and output relative error before and after, seconds; per
+        evaluation text, the embedding report.
 
     Notes
     -----
@@ -327,6 +375,8 @@ def distill_attention(
     check_choice("loss", loss, ("ce", "mse"))
     if isinstance(lr, bool) or not isinstance(lr, int | float) or not lr > 0:
         raise InputError(f"lr: expected a positive number, got {lr!r}")
+    if eval_texts is not None and tokenizer is None:
+        raise InputError("tokenizer: needed to embed eval_texts (pass the models' tokenizer)")
     start = time.perf_counter()
     from . import converted_modules
 
@@ -345,20 +395,7 @@ def distill_attention(
             before = _evaluate(est, layer, loss)
             params = [p for p in est.parameters() if p.requires_grad]
             start_state = {k: v.detach().clone() for k, v in est.state_dict().items()}
-            if params and steps:
-                opt = torch.optim.Adam(params, lr=lr)
-                for step in range(steps):
-                    i = step % len(layer.q)
-                    valid = _valid_rows(layer, i)
-                    pick = valid[torch.randperm(len(valid), generator=gen)[:rows]].sort().values
-                    value = _loss(est, layer, i, pick, loss)
-                    opt.zero_grad()
-                    value.backward()
-                    opt.step()
-                    bar.advance(f"layer {index} {loss} {value.item():.4f}")
-            else:
-                for _ in range(steps):
-                    bar.advance(f"layer {index} (nothing to fit)")
+            _fit_layer(est, layer, steps=steps, lr=lr, loss=loss, rows=rows, gen=gen, bar=bar, label=f"layer {index}")
             after = _evaluate(est, layer, loss)
             restored = not after[0] <= before[0]  # NaN included
             if restored:
@@ -381,6 +418,10 @@ def distill_attention(
     finally:
         bar.close()
     report.seconds = time.perf_counter() - start
+    if eval_texts is not None:
+        from .report import embedding_reports
+
+        report.embeddings = embedding_reports(teacher, student, tokenizer, eval_texts)
     return report
 
 

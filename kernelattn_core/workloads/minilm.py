@@ -188,21 +188,60 @@ def fitting_text() -> str:
     return shipped_text() + "\n\n" + module_docs(FIT_MODULES)
 
 
+def _data(name: str) -> str:
+    return importlib.resources.files("kernelattn_core.workloads").joinpath(f"data/{name}").read_text("utf-8")
+
+
+def legal_text() -> str:
+    """A held-out text of another genre: an equipment rental agreement written for the
+    package as a model form (about 2,900 words of numbered clauses and defined terms;
+    original text, in no fitting text)."""
+    return _data("legal.txt")
+
+
+def narrative_text() -> str:
+    """A held-out text of another genre: a short story written for the package (about
+    2,100 words of narrative prose with dialogue; original text, in no fitting text)."""
+    return _data("narrative.txt")
+
+
+#: the named texts of :func:`read_texts`; ``held-out``, ``legal`` and ``narrative`` are
+#: three genres (technical documentation, contract, story) never used for fitting by default
+TEXTS = {
+    "shipped": shipped_text,
+    "held-out": held_out_text,
+    "fitting": fitting_text,
+    "legal": legal_text,
+    "narrative": narrative_text,
+}
+
+#: the default evaluation texts of ``kernelattn convert``: three genres, none in the default fitting text
+EVAL_TEXTS = ("held-out", "legal", "narrative")
+
+
 def read_texts(source: str | Path | None) -> str:
-    """Text from a file path, or the shipped text for ``None`` or ``"shipped"``;
-    ``"held-out"`` gives :func:`held_out_text` and ``"fitting"`` :func:`fitting_text`."""
-    if source is None or str(source) == "shipped":
+    """Text from a file path, or a named text (:data:`TEXTS`): ``None`` or ``"shipped"``
+    the shipped prose, ``"held-out"`` :func:`held_out_text`, ``"fitting"``
+    :func:`fitting_text`, ``"legal"`` :func:`legal_text`, ``"narrative"``
+    :func:`narrative_text`."""
+    if source is None:
         return shipped_text()
-    if str(source) == "held-out":
-        return held_out_text()
-    if str(source) == "fitting":
-        return fitting_text()
+    if str(source) in TEXTS:
+        return TEXTS[str(source)]()
     path = Path(source)
     if not path.is_file():
-        raise InputError(
-            f"texts: expected a readable text file, 'shipped', 'held-out', 'fitting' or None, got {str(source)!r}"
-        )
+        raise InputError(f"texts: expected a readable text file, one of {sorted(TEXTS)} or None, got {str(source)!r}")
     return path.read_text("utf-8")
+
+
+def overlap(evaluation: str, fitting: str, *, min_words: int = 6) -> float:
+    """Fraction of the sentences of ``evaluation`` (of at least ``min_words`` words) found
+    verbatim in ``fitting``: 0 when the evaluation text is held out."""
+    found = sentences(evaluation, min_words=min_words)
+    if not found:
+        return 0.0
+    flat = " ".join(fitting.split())
+    return sum(s in flat for s in found) / len(found)
 
 
 def pack(
@@ -226,6 +265,49 @@ def pack(
     mask = torch.zeros(len(pieces), max_length, dtype=torch.long)
     for r, piece in enumerate(pieces):
         row = [tokenizer.cls_token_id, *piece, tokenizer.sep_token_id]
+        rows[r, : len(row)] = torch.tensor(row)
+        mask[r, : len(row)] = 1
+    return {"input_ids": rows, "attention_mask": mask}
+
+
+def random_passages(
+    tokenizer: Any,
+    text: str,
+    *,
+    length: int = 512,
+    count: int = 8,
+    seed: int = 0,
+    part: tuple[float, float] = (0.0, 1.0),
+) -> dict[str, torch.Tensor]:
+    """``count`` passages of ``length`` tokens (``[CLS] ... [SEP]``) cut at random offsets
+    from the token stream of ``text``, restricted to the fraction ``part`` of the stream.
+
+    Random offsets give a small fitting corpus many distinct long sequences (every
+    passage starts somewhere else); ``part`` keeps a validation slice apart, for example
+    ``(0, 0.9)`` to fit and ``(0.9, 1)`` to validate. A slice shorter than one passage
+    gives ``count`` copies of the whole slice, padded.
+
+    Returns
+    -------
+    dict
+        ``input_ids`` and ``attention_mask`` ``[count, length]``.
+    """
+    check = 0.0 <= part[0] < part[1] <= 1.0
+    if not check:
+        raise InputError(f"part: expected 0 <= start < end <= 1, got {part!r}")
+    if length < 3:
+        raise InputError(f"length: expected at least 3 (CLS, one token, SEP), got {length}")
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    span = ids[int(part[0] * len(ids)) : int(part[1] * len(ids))]
+    if not span:
+        raise InputError("texts: the slice of the text has no tokens")
+    step = length - 2
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, max(1, len(span) - step + 1), (count,), generator=gen).tolist()
+    rows = torch.full((count, length), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(count, length, dtype=torch.long)
+    for r, s in enumerate(starts):
+        row = [tokenizer.cls_token_id, *span[s : s + step], tokenizer.sep_token_id]
         rows[r, : len(row)] = torch.tensor(row)
         mask[r, : len(row)] = 1
     return {"input_ids": rows, "attention_mask": mask}
@@ -402,8 +484,10 @@ def minilm_workload(
 def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Sentence embeddings by mean pooling ``hidden [B, N, E]`` over unpadded tokens
     (the pooling all-MiniLM-L6-v2 was trained with)."""
-    weights = attention_mask.to(hidden.dtype).unsqueeze(-1)  # [B, N, 1]
-    return (hidden * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+    keep = attention_mask.unsqueeze(-1).bool()  # [B, N, 1]
+    # where, not a product: a NaN at a padded position (0 * NaN = NaN) never reaches the embedding
+    total = torch.where(keep, hidden, hidden.new_zeros(())).sum(1)
+    return total / keep.sum(1).to(hidden.dtype).clamp_min(1.0)
 
 
 def sentences(text: str, *, min_words: int = 4) -> list[str]:

@@ -63,11 +63,19 @@ import torch.nn.functional as F
 
 NEG = float("-inf")
 
+#: up to this many blocks the non-causal far sums are one ``[nb, nb]`` product (fewer
+#: passes than a prefix and a suffix sum; quadratic in ``nb``, so longer inputs scan)
+FAR_MATMUL_BLOCKS = 64
+
 
 def _blocks(x: torch.Tensor, length: int, block: int) -> torch.Tensor:
     """``x [B, H, L, e]`` padded with zeros to ``length`` and cut into ``[B, H, L / C, C, e]``."""
-    x = F.pad(x, (0, 0, 0, length - x.shape[-2]))
-    return x.unflatten(-2, (length // block, block))
+    return _rows(x, length).unflatten(-2, (length // block, block))
+
+
+def _rows(x: torch.Tensor, length: int) -> torch.Tensor:
+    """``x [..., L', e]`` padded with zero rows to ``length`` (no copy when it has them)."""
+    return x if x.shape[-2] == length else F.pad(x, (0, 0, 0, length - x.shape[-2]))
 
 
 def _local(x: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -117,6 +125,19 @@ def window_attention_blocked(
     -------
     Tensor ``[B, H, N, dv]``; rows with no allowed key are zero.
     """
+    if not causal:
+        return _noncausal(
+            q,
+            k,
+            v,
+            phi_q,
+            phi_k,
+            log_space=log_space,
+            window=window,
+            global_tokens=global_tokens,
+            key_padding_mask=key_padding_mask,
+            block_size=block_size,
+        )
     b_, h_, n, _ = q.shape
     m_keys = k.shape[-2]
     device = q.device
@@ -261,6 +282,153 @@ def window_attention_blocked(
         num = num + far_num * w_f.unsqueeze(-1)
 
     num, den = num[:, :, :n], den[:, :, :n]
+    safe = torch.where(den > 0, den, torch.ones_like(den))
+    out = num / safe.unsqueeze(-1)
+    return torch.where((den > 0).unsqueeze(-1), out, torch.zeros_like(out))
+
+
+_STATIC: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _static_masks(
+    block: int, window: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bias, outside)`` ``[C, 3C]`` for the non-causal local block: query ``r`` of block
+    ``b`` is position :math:`bC + r`, key slot ``t`` position :math:`(b - 1)C + t`, so
+    :math:`i - j = C + r - t` whatever the block. ``bias`` is 0 inside the window and
+    :math:`-\\infty` outside; ``outside`` is 1 outside the window and 0 inside."""
+    key = (block, window, str(device), dtype)
+    if key not in _STATIC:
+        r = torch.arange(block, device=device)[:, None]
+        t = torch.arange(3 * block, device=device)[None, :]
+        inside = (block + r - t).abs() <= window
+        bias = torch.zeros(inside.shape, dtype=dtype, device=device).masked_fill(~inside, NEG)
+        _STATIC[key] = (bias, (~inside).to(dtype))
+        if len(_STATIC) > 64:  # a handful of shapes in practice
+            _STATIC.pop(next(iter(_STATIC)))
+    return _STATIC[key]
+
+
+def _slide(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x [B, H, L, e]`` (``L = nb C``) to the local keys of every block, transposed:
+    ``[B, H, nb, e, 3C]`` (blocks ``b - 1, b, b + 1``; zeros beyond the ends), a strided
+    view of one padded copy."""
+    padded = F.pad(x, (0, 0, block, block))  # [B, H, L + 2C, e]
+    return padded.unfold(-2, 3 * block, block)  # [B, H, nb, e, 3C]
+
+
+def _noncausal(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    *,
+    log_space: bool,
+    window: int,
+    global_tokens: int,
+    key_padding_mask: torch.Tensor | None,
+    block_size: int,
+) -> torch.Tensor:
+    """The non-causal case of :func:`window_attention_blocked` with few passes over the
+    ``[B, H, nb, C, 3C]`` local scores: the window is one static ``[C, 3C]`` bias (the
+    offset :math:`i - j` of a local pair does not depend on the block), key validity one
+    ``[B, nb, 3C]`` bias, and numerators and denominators come out of one matmul each
+    (the values carry a column of ones). The stabilisers are those of the module
+    docstring: exact terms at the largest exact logit :math:`m_i`, feature terms at
+    :math:`a_i + c` (:math:`c` the largest key log-feature), both restated at the row's
+    log-normaliser."""
+    b_, h_, n, _ = q.shape
+    m_keys, dv = k.shape[-2], v.shape[-1]
+    device, dtype = q.device, q.dtype
+    c_blk = block_size
+    nb = -(-max(n, m_keys) // c_blk)
+    length = nb * c_blk
+    g = min(global_tokens, m_keys)
+
+    pos = torch.arange(length, device=device)
+    valid = (pos < m_keys).expand(b_, length)  # [B, L]
+    if key_padding_mask is not None:
+        valid = valid & ~F.pad(key_padding_mask, (0, length - m_keys), value=True)
+    feat_key = valid & (pos >= g)  # keys of the window and feature sets (globals are apart) [B, L]
+
+    if log_space:
+        a = phi_q.detach().amax(-1)  # [B, H, N]
+        a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
+        fq = (phi_q - a.unsqueeze(-1)).exp()
+        lk = _rows(phi_k, length).masked_fill(~feat_key[:, None, :, None], NEG)
+        c = lk.detach().amax((-1, -2))  # [B, H]: one constant per row of heads
+        c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+        fk = (lk - c[..., None, None]).exp()  # [B, H, L, D], <= 1, 0 at non-feature keys
+    else:
+        a = torch.zeros(q.shape[:-1], dtype=dtype, device=device)
+        fq = phi_q
+        fk = _rows(phi_k, length).masked_fill(~feat_key[:, None, :, None], 0.0)
+        c = torch.zeros(b_, h_, dtype=dtype, device=device)
+
+    keep = feat_key[:, None, :, None].to(v.dtype)  # [B, 1, L, 1]
+    # values and a column of ones (the denominator), both zero at keys outside the window and feature sets
+    v1 = torch.cat([_rows(v, length) * keep, keep.expand(b_, h_, length, 1)], -1)  # [B, H, L, dv + 1]
+    ones = torch.ones(*v.shape[:-1], 1, dtype=v.dtype, device=device)
+    qb = _blocks(q, length, c_blk)  # [B, H, nb, C, d]
+    fqb = _blocks(fq, length, c_blk)  # [B, H, nb, C, D]
+    v_loc = _slide(v1, c_blk).transpose(-1, -2)  # [B, H, nb, 3C, dv + 1]
+
+    # local exact terms: the window bias and the key bias (invalid, global or out-of-range keys)
+    bias, outside = _static_masks(c_blk, window, device, dtype)
+    key_ok = _slide(feat_key[:, None, :, None].to(dtype), c_blk)[:, 0, :, 0]  # [B, nb, 3C]
+    key_bias = torch.zeros_like(key_ok).masked_fill(key_ok == 0, NEG)  # [B, nb, 3C]
+    k_loc = _slide(_rows(k, length), c_blk)  # [B, H, nb, d, 3C]
+    s_loc = qb @ k_loc + (bias + key_bias[:, :, None, :]).unsqueeze(1)  # [B, H, nb, C, 3C]
+    win_max = s_loc.detach().amax(-1)  # [B, H, nb, C]
+    if g > 0:
+        s_g = qb @ k[:, :, :g].transpose(-1, -2).unsqueeze(2)  # [B, H, nb, C, g]
+        s_g = s_g.masked_fill(~valid[:, None, None, None, :g], NEG)
+        win_max = torch.maximum(win_max, s_g.detach().amax(-1))
+    m_e = torch.where(torch.isfinite(win_max), win_max, torch.zeros_like(win_max))  # [B, H, nb, C]
+    e_loc = (s_loc - m_e.unsqueeze(-1)).exp()  # <= 1, 0 off the exact set
+    ne = e_loc @ v_loc  # [B, H, nb, C, dv + 1]: numerator and denominator
+    if g > 0:
+        e_g = (s_g - m_e.unsqueeze(-1)).exp()  # [B, H, nb, C, g]
+        ne = ne + e_g @ torch.cat([v[:, :, :g], ones[:, :, :g]], -1).unsqueeze(2)  # [B, H, 1, g, dv + 1]
+
+    # feature terms: local pairs outside the window, then the blocks farther than one
+    fkb = fk.unflatten(-2, (nb, c_blk))  # [B, H, nb, C, D]
+    v1b = v1.unflatten(-2, (nb, c_blk))  # [B, H, nb, C, dv + 1]
+    if c_blk <= window:  # the own block lies inside every window: only the neighbour blocks' pairs
+        fk_pad = F.pad(fkb, (0, 0, 0, 0, 1, 1))  # [B, H, nb + 2, C, D]
+        v_pad = F.pad(v1b, (0, 0, 0, 0, 1, 1))
+        f_left = (fqb @ fk_pad[:, :, :-2].transpose(-1, -2)) * outside[:, :c_blk]  # [B, H, nb, C, C]
+        f_right = (fqb @ fk_pad[:, :, 2:].transpose(-1, -2)) * outside[:, 2 * c_blk :]
+        nf = f_left @ v_pad[:, :, :-2] + f_right @ v_pad[:, :, 2:]  # [B, H, nb, C, dv + 1]
+    else:
+        f_loc = (fqb @ _slide(fk, c_blk)) * outside  # [B, H, nb, C, 3C]
+        nf = f_loc @ v_loc  # [B, H, nb, C, dv + 1]
+    if nb > 2:
+        s_blk = fkb.transpose(-1, -2) @ v1b  # [B, H, nb, D, dv + 1]: per-block sums
+        if nb <= FAR_MATMUL_BLOCKS:  # blocks two or more apart, as one [nb, nb] product
+            idx = torch.arange(nb, device=device)
+            far_of = ((idx[:, None] - idx[None, :]).abs() >= 2).to(dtype)  # [nb, nb]
+            far = (far_of @ s_blk.flatten(-2)).unflatten(-1, s_blk.shape[-2:])
+        else:  # linear in nb: an exclusive prefix and a suffix sum
+            pre = s_blk.cumsum(2)
+            suf = s_blk.flip(2).cumsum(2).flip(2)
+            zero = torch.zeros_like(s_blk[:, :, :2])
+            far = torch.cat([zero, pre[:, :, :-2]], 2) + torch.cat([suf[:, :, 2:], zero], 2)
+        nf = nf + fqb @ far
+
+    # one log-normaliser per row
+    den_e, den_f = ne[..., dv], nf[..., dv]  # [B, H, nb, C]
+    m_f = _blocks(a.unsqueeze(-1), length, c_blk).squeeze(-1) + c[..., None, None]  # [B, H, nb, C]
+    with torch.no_grad():
+        top = torch.maximum(m_e + den_e.log(), m_f + den_f.abs().log())
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # rows with no allowed key
+        cap = 0.5 * math.log(torch.finfo(dtype).max)
+        w_e = torch.where(den_e > 0, (m_e - top).clamp(max=0.0).exp(), torch.zeros_like(top))
+        w_f = (m_f - top).clamp(max=cap).exp()
+    tot = ne * w_e.unsqueeze(-1) + nf * w_f.unsqueeze(-1)  # [B, H, nb, C, dv + 1]
+    tot = tot.flatten(2, 3)[:, :, :n]
+    num, den = tot[..., :dv], tot[..., dv]
     safe = torch.where(den > 0, den, torch.ones_like(den))
     out = num / safe.unsqueeze(-1)
     return torch.where((den > 0).unsqueeze(-1), out, torch.zeros_like(out))

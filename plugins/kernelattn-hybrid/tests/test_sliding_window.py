@@ -370,6 +370,27 @@ def test_float32_at_norm_ten_matches_float64_with_gradients(causal, window):
         torch.testing.assert_close(a.double(), b, rtol=2e-3, atol=2e-4, msg=name)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_noncausal_far_sums_by_product_and_by_scan_agree_with_naive(monkeypatch, padded):
+    """Up to FAR_MATMUL_BLOCKS blocks the far sums are one [nb, nb] product, beyond it a
+    prefix and a suffix scan: both paths are the naive result (outputs and gradients),
+    with the block shorter than the window (neighbour-only feature pairs) and longer."""
+    from kernelattn_hybrid import window as win
+
+    q, k, v, pq, pk = (t[:, :1].clone().requires_grad_() for t in _problem(40, 40, seed=11))
+    kw = dict(log_space=True, window=3, global_tokens=1, causal=False, key_padding_mask=_mask(40) if padded else None)
+    ref = window_attention_naive(q, k, v, pq, pk, **kw)
+    g_ref = torch.autograd.grad(ref.square().sum(), (q, k, v, pq, pk))
+    for blocks in (64, 0):  # 0: every input takes the scan
+        monkeypatch.setattr(win, "FAR_MATMUL_BLOCKS", blocks)
+        for block in (3, 5):
+            out = window_attention_blocked(q, k, v, pq, pk, block_size=block, **kw)
+            torch.testing.assert_close(out, ref, rtol=1e-11, atol=1e-12)
+            grads = torch.autograd.grad(out.square().sum(), (q, k, v, pq, pk))
+            for a, b in zip(grads, g_ref):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 # ---------------------------------------------------------------------- decoding state
 def _decode(est, q, k, v, mask, first: int, middle: int = 0):
     """``first`` positions in one call, then ``middle`` in a second call, then one at a time."""
