@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton's kernels are decorated as interpreted or compiled when their module is first
+    # imported; set the CPU interpreter before anything (torch.compile's inductor, the
+    # backend probe) imports them, whatever order the test files run in
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kernelattn_core as ka
 
