@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..cli.plot import _plain_ticks, check_plot_path, line_styles, pyplot, save
+from ..cli.plot import _plain_ticks, _save_no_layout, check_plot_path, line_styles, pyplot, save
 from .model import NO_MIXING
 
 EXACT = "exact"
@@ -92,15 +92,7 @@ def tasks_figure(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
     handles.append(Line2D([], [], color=grey, label="light grey: does not beat the floor"))
     fig.legend(handles=handles, loc="center right", fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0, 0.86, 1))
-    return save_no_layout(fig, path)
-
-
-def save_no_layout(fig: Any, path: str | Path) -> Path:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=120)
-    pyplot().close(fig)
-    return p
+    return _save_no_layout(fig, path)
 
 
 __all__ = ["check_output_paths", "save", "tasks_figure"]
