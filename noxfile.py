@@ -116,6 +116,8 @@ def tasks(session: nox.Session) -> None:
             "--preset",
             preset,
             "--no-progress",
+            "--jobs",
+            "2",
             "--output",
             str(out / f"{preset}.json"),
             "--plot",

@@ -49,10 +49,15 @@ DEFAULT_BUDGETS = (64,)
 RECIPES: dict[tuple[str, str], TrainConfig] = {
     # chosen with exact attention: MQAR is solved (1.00) by step 200 of 500; induction jumps to
     # 1.00 near step 400 when the rate stays high long enough (500 steps of decay: 0.17);
-    # ListOps and selective copy keep improving slowly (0.39 and 0.5 at 800 steps)
+    # ListOps keeps improving slowly (0.39 at 800 steps). Selective copy was trimmed from
+    # 800 to 480 steps for the preset's time (its rows keep their order from step 400 on;
+    # exact 0.44 at 480 against 0.49 at 800). Tried and rejected (2026-11-25): MQAR at 300
+    # steps (the shorter schedule loses 10-60 points: ra 1.00 -> 0.36, fastfood-prf 0.90 ->
+    # 0.68), induction at 640 (hedgehog:init=prf 0.50 -> 0.20: the linear estimators learn
+    # it late), batches of 16 (exact attention no longer learns induction: 0.02)
     ("mqar", "quick"): TrainConfig(steps=500, batch_size=32, lr=3e-3, eval_every=50),
     ("listops", "quick"): TrainConfig(steps=800, batch_size=32, lr=1e-3, eval_every=80),
-    ("selective-copy", "quick"): TrainConfig(steps=800, batch_size=32, lr=3e-3, eval_every=80),
+    ("selective-copy", "quick"): TrainConfig(steps=480, batch_size=32, lr=3e-3, eval_every=48),
     ("induction", "quick"): TrainConfig(steps=800, batch_size=32, lr=3e-3, eval_every=80),
     ("mqar", "paper"): TrainConfig(steps=20_000, batch_size=64, lr=1e-3, d_model=128, eval_every=500),
     ("listops", "paper"): TrainConfig(steps=10_000, batch_size=32, lr=1e-4, d_model=64, eval_every=500),
@@ -254,6 +259,7 @@ def run_tasks(
     progress: bool = True,
     on_record: Callable[[dict[str, Any]], None] | None = None,
     recipe: dict[str, Any] | None = None,
+    jobs: int = 1,
 ) -> list[dict[str, Any]]:
     """Train the task model with each estimator on each task; one record per (task, estimator, budget).
 
@@ -281,6 +287,16 @@ def run_tasks(
         Called with each record as soon as it is complete.
     recipe : dict, optional
         Further :class:`~kernelattn_core.tasks.train.TrainConfig` overrides (every task).
+    jobs : int
+        Runs trained at once, each in its own process with
+        ``max(1, torch.get_num_threads() // jobs)`` threads (:func:`_run_parallel`). The
+        results are those of ``jobs=1`` (every run is seeded by its own seed; a different
+        number of threads per run rounds the reductions differently), the records
+        come back in the same order; ``on_record`` sees them as they finish. On a 2-core
+        CPU two one-thread runs train about 1.3x as many steps per second as one
+        two-thread run; every run is slower (its time per step is measured with one thread,
+        beside the other job), so compare ``time_per_step_ms`` only within one run of the
+        command.
 
     Returns
     -------
@@ -300,6 +316,8 @@ def run_tasks(
             raise InputError(f"budget: expected positive ints, got {b!r}")
     if steps is not None and (not isinstance(steps, int) or steps < 1):
         raise InputError(f"steps: expected a positive int, got {steps!r}")
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+        raise InputError(f"jobs: expected a positive int, got {jobs!r}")
     names = list(estimators) if estimators else default_estimators(quadratic=quadratic)
     reg = get_registry()
     for name in names:
@@ -315,38 +333,57 @@ def run_tasks(
             plan += [(task, name, b, config) for b in (budgets if has_budget(name) else [None])]
     total = sum(c.steps * len(seeds) for t, n, b, c in plan if cannot_run(n, t) is None)
 
-    records: list[dict[str, Any]] = []
-    refs: dict[tuple[str, str], dict[str, Any]] = {}
+    publish = _Publisher(on_record)
     with Progress(total, "tasks", enabled=progress) as bar:
-        for task, name, budget, config in plan:
-            record = _run_row(task, name, budget, config, seeds, scale, bar)
-            done = [record]
-            if name in (EXACT, NO_MIXING):  # both references are related (and shown) once both ran
-                refs[(task.name, name)] = record
-                done = [refs[(task.name, n)] for n in (EXACT, NO_MIXING)] if len(refs_of(refs, task)) == 2 else []
-            for r in done:
-                _relate(r, refs.get((task.name, EXACT)), refs.get((task.name, NO_MIXING)))
-                records.append(r)
-                if on_record is not None:
-                    on_record(r)
-    return records
+        if jobs == 1:
+            for task, name, budget, config in plan:
+                publish(_run_row(task, name, budget, config, seeds, scale, bar))
+        else:
+            _run_parallel(plan, seeds, scale, bar, jobs, publish)
+    order = {(t.name, n, b): i for i, (t, n, b, _) in enumerate(plan)}
+    return sorted(publish.records, key=lambda r: order[(r["task"], r["estimator"], r["budget"])])
 
 
-def refs_of(refs: dict[tuple[str, str], dict[str, Any]], task: Task) -> list[dict[str, Any]]:
-    """The reference rows of ``task`` that have run."""
-    return [refs[(task.name, n)] for n in (EXACT, NO_MIXING) if (task.name, n) in refs]
+class _Publisher:
+    """Relates each finished record to its task's ceiling and floor and hands it on.
+
+    The two references of a task are related (and shown) once both ran; a row that
+    finishes before them (``jobs > 1``) waits for them."""
+
+    def __init__(self, on_record: Callable[[dict[str, Any]], None] | None) -> None:
+        self.on_record = on_record
+        self.records: list[dict[str, Any]] = []
+        self.refs: dict[tuple[str, str], dict[str, Any]] = {}
+        self.waiting: dict[str, list[dict[str, Any]]] = {}
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        task = record["task"]
+        if record["estimator"] in (EXACT, NO_MIXING):
+            self.refs[(task, record["estimator"])] = record
+        waiting = self.waiting.setdefault(task, [])
+        waiting.append(record)
+        exact, floor = self.refs.get((task, EXACT)), self.refs.get((task, NO_MIXING))
+        if exact is None or floor is None:
+            return
+        rank = {EXACT: 0, NO_MIXING: 1}
+        for r in sorted(waiting, key=lambda r: rank.get(r["estimator"], 2)):  # stable: arrival order after the refs
+            _relate(r, exact, floor)
+            self.records.append(r)
+            if self.on_record is not None:
+                self.on_record(r)
+        waiting.clear()
 
 
-def _run_row(
-    task: Task, name: str, budget: int | None, config: TrainConfig, seeds: Sequence[int], scale: str, bar: Any
+def _new_record(
+    task: Task, name: str, budget: int | None, config: TrainConfig, seeds: Sequence[int], scale: str
 ) -> dict[str, Any]:
+    """The row of (``task``, ``name``, ``budget``) before training: its options, or the reason it cannot run."""
     base, spec_options = parse_spec(name)
-    options = {**budget_options(base, budget, task.causal), **spec_options}
-    record: dict[str, Any] = {
+    return {
         "task": task.name,
         "estimator": name,
         "budget": budget,
-        "options": options,
+        "options": {**budget_options(base, budget, task.causal), **spec_options},
         "scale": scale,
         "steps": config.steps,
         "seeds": list(seeds),
@@ -357,27 +394,26 @@ def _run_row(
         "curves": [],
         "error": cannot_run(name, task),
     }
-    if record["error"] is not None:
-        return record
-    results = []
-    for seed in seeds:
-        note = f"{task.name} {name}{'' if budget is None else f' {budget}'} seed {seed}"
-        estimator = "softmax" if base == EXACT else base
-        try:
-            results.append(
-                train(
-                    task,
-                    estimator,
-                    config,
-                    scale=scale,
-                    seed=seed,
-                    options=options,
-                    on_step=lambda _step, note=note: bar.advance(note),
-                )
-            )
-        except Exception as exc:  # a run that fails is a row with its reason, not a crash of the table
-            record["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-            return record
+
+
+def _registry_name(name: str) -> str:
+    base = parse_spec(name)[0]
+    return "softmax" if base == EXACT else base
+
+
+def _note(record: dict[str, Any], seed: int) -> str:
+    """What the progress bar says of a run."""
+    budget = "" if record["budget"] is None else f" {record['budget']}"
+    return f"{record['task']} {record['estimator']}{budget} seed {seed}"
+
+
+def _error_text(exc: BaseException) -> str:
+    """A failed run's row says why (first line, at most 300 characters)."""
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+
+
+def _finish_record(record: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Fill ``record`` from the training results of its seeds (in seed order)."""
     record["accuracies"] = [r["accuracy"] for r in results]
     record["accuracy"], record["accuracy_std"] = _summary_stats(record["accuracies"])
     record["curves"] = [r["curve"] for r in results]
@@ -385,6 +421,97 @@ def _run_row(
         record[key] = statistics.fmean(r[key] for r in results)
     record["params"] = results[0]["params"]
     return record
+
+
+def _run_row(
+    task: Task, name: str, budget: int | None, config: TrainConfig, seeds: Sequence[int], scale: str, bar: Any
+) -> dict[str, Any]:
+    record = _new_record(task, name, budget, config, seeds, scale)
+    if record["error"] is not None:
+        return record
+    results = []
+    for seed in seeds:
+        note = _note(record, seed)
+        try:
+            results.append(
+                train(
+                    task,
+                    _registry_name(name),
+                    config,
+                    scale=scale,
+                    seed=seed,
+                    options=record["options"],
+                    on_step=lambda _step, note=note: bar.advance(note),
+                )
+            )
+        except Exception as exc:  # a run that fails is a row with its reason, not a crash of the table
+            record["error"] = _error_text(exc)
+            return record
+    return _finish_record(record, results)
+
+
+def _worker_init(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _train_in_worker(
+    task_name: str, estimator: str, config: TrainConfig, scale: str, seed: int, options: dict[str, Any]
+) -> dict[str, Any]:
+    """One run in a worker process; an exception comes back as ``{"error": ...}``."""
+    try:
+        return train(get_task(task_name), estimator, config, scale=scale, seed=seed, options=options)
+    except Exception as exc:  # reported in the row, as in a sequential run
+        return {"error": _error_text(exc)}
+
+
+def _run_parallel(
+    plan: Sequence[tuple[Task, str, int | None, TrainConfig]],
+    seeds: Sequence[int],
+    scale: str,
+    bar: Any,
+    jobs: int,
+    publish: Callable[[dict[str, Any]], None],
+) -> None:
+    """Every (row, seed) of ``plan`` as one job of a pool of ``jobs`` processes (spawned: a
+    forked copy of a process whose OpenMP threads have started can hang). A row is published
+    when its last seed finishes; the progress bar advances by a run's steps when it ends."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    import torch
+
+    threads = max(1, torch.get_num_threads() // jobs)
+    rows: list[dict[str, Any]] = []
+    results: list[dict[int, dict[str, Any]]] = []
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads,)) as pool:
+        futures = {}
+        for i, (task, name, budget, config) in enumerate(plan):
+            record = _new_record(task, name, budget, config, seeds, scale)
+            rows.append(record)
+            results.append({})
+            if record["error"] is not None:
+                publish(record)
+                continue
+            for seed in seeds:
+                args = (task.name, _registry_name(name), config, scale, seed, record["options"])
+                futures[pool.submit(_train_in_worker, *args)] = (i, seed)
+        for future in as_completed(futures):
+            i, seed = futures[future]
+            record, out = rows[i], future.result()
+            for _ in range(record["steps"]):
+                bar.advance(_note(record, seed))
+            results[i][seed] = out
+            if len(results[i]) < len(seeds):
+                continue
+            failed = [r["error"] for s in seeds if "error" in (r := results[i][s])]
+            if failed:
+                record["error"] = failed[0]
+            else:
+                _finish_record(record, [results[i][s] for s in seeds])
+            publish(record)
 
 
 def _relate(record: dict[str, Any], exact: dict[str, Any] | None, floor: dict[str, Any] | None) -> None:
