@@ -450,14 +450,14 @@ def build_estimator(name: str, head_dim: int, num_heads: int, options: dict[str,
 
 
 def _accepts_head_dim(name: str) -> bool:
-    from .lookup import resolve
+    from .registry import resolve
 
     entry = resolve(name)
     return entry.kind == "feature_map" or "head_dim" in _init_params(entry.cls)
 
 
 def _accepts(name: str, option: str) -> bool:
-    from .lookup import resolve
+    from .registry import resolve
 
     entry = resolve(name)
     return entry.kind in ("feature_map", "estimator") and option in _init_params(entry.cls)

@@ -14,8 +14,8 @@ from kernelattn_core.engine.naive import isolated_pre, isolated_rows, non_finite
 from kernelattn_core.errors import InputError
 from kernelattn_core.interfaces import AttentionEstimator
 from kernelattn_core.interfaces.state import StateOwner, check_state, check_state_tensor
-from kernelattn_core.lookup import resolve_class
 from kernelattn_core.redraw import RedrawPolicy
+from kernelattn_core.registry import resolve_class
 from kernelattn_core.validation import check_key_padding_mask, check_positive_int, check_qkv
 
 from .claims import OPTION_CLAIMS
