@@ -3,7 +3,6 @@ feature-map attention (linear in sequence length)."""
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, ClassVar
 
 import torch
@@ -17,7 +16,7 @@ from ..interfaces.estimator import AttentionEstimator
 from ..interfaces.feature_map import FeatureMap
 from ..interfaces.kernel import Kernel
 from ..interfaces.names import construct, resolve_class
-from ..interfaces.normalizer import Normalizer
+from ..interfaces.normalizer import Normalizer, takes_causal
 from ..interfaces.state import StateOwner, check_state, check_state_tensor
 from ..redraw import RedrawPolicy
 from ..validation import check_positive_int
@@ -217,6 +216,7 @@ class FeatureMapAttention(AttentionEstimator):
     random: ClassVar[bool] = True
     has_budget: ClassVar[bool] = True
     linear: ClassVar[bool] = True
+    supports_step: ClassVar[bool | None] = True
 
     def __init__(
         self,
@@ -367,7 +367,7 @@ class FeatureMapAttention(AttentionEstimator):
         their gradients are 0, not the transform's :math:`0 \\cdot \\mathrm{NaN}`)."""
         if type(self.normalizer).pre is Normalizer.pre:
             return q, k
-        options = {"causal": causal} if "causal" in inspect.signature(self.normalizer.pre).parameters else {}
+        options = {"causal": causal} if takes_causal(self.normalizer) else {}
         return isolated_pre(self.normalizer.pre, q, k, key_padding_mask, **options)
 
     def _post(self, out: torch.Tensor) -> torch.Tensor:
