@@ -56,9 +56,12 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "interfaces": ("interfaces", "redraw", "claims"),
     "engine": ("engine",),
     "registry/builtins": ("registry", "lookup", "builtins", "plugins"),
-    "api/module": ("api", "module", "distributed", "toolkit", "testing", "verify", ""),
+    "api/module": ("api", "module", "distributed", "testing", "verify", ""),
     "convert/tasks/workloads": ("convert", "tasks", "workloads", "report"),
     "cli": ("cli",),
+    # the published plugin toolkit re-exports names from every layer (the report helpers of
+    # cli/ included) and nothing in the core imports it: a leaf facade on top
+    "toolkit": ("toolkit",),
 }
 
 #: what a plugin may import: the top-level API and the published toolkit
@@ -176,7 +179,9 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def layer_of(module: str) -> int:
     """The index in :data:`LAYERS` of a dotted core module name (``kernelattn_core.x.y``)."""
-    rel = module[len(PACKAGE) + 1 :] if module.startswith(PACKAGE + ".") else ""
+    if module != PACKAGE and not module.startswith(PACKAGE + "."):
+        raise KeyError(f"module {module!r} is not in {PACKAGE}")
+    rel = module[len(PACKAGE) + 1 :]
     best, best_len = None, -1
     for i, prefixes in enumerate(LAYERS.values()):
         for p in prefixes:
@@ -192,28 +197,34 @@ def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     return sorted((a, b) for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a))
 
 
+def classify_imports(source: str, label: str) -> list[dict[str, object]]:
+    """Every import of ``kernelattn_core`` in one plugin source (``label`` names it),
+    classified: ``published`` (the top level or the toolkit, no private name) and
+    ``internal`` (reaching core internals, see the module doc)."""
+    out = []
+    for target, names, line in imported_names(source, "plugin", False):
+        if target != PACKAGE and not target.startswith(PACKAGE + "."):
+            continue
+        rel = target[len(PACKAGE) + 1 :]
+        published = target in PUBLISHED
+        private = [n for n in names if n.startswith("_")]
+        internal = not published and any(rel == p or rel.startswith(p) for p in INTERNAL)
+        out.append(
+            {
+                "file": label,
+                "line": line,
+                "module": target,
+                "names": names,
+                "published": published and not private,
+                "internal": internal or bool(private),
+            }
+        )
+    return out
+
+
 def plugin_import_lines(paths: Iterable[Path]) -> list[dict[str, object]]:
     """Every import of ``kernelattn_core`` in the given plugin files, classified."""
-    out = []
-    for path in paths:
-        for target, names, line in imported_names(path.read_text(), "plugin", False):
-            if target != PACKAGE and not target.startswith(PACKAGE + "."):
-                continue
-            rel = target[len(PACKAGE) + 1 :]
-            published = target in PUBLISHED
-            private = [n for n in names if n.startswith("_")]
-            internal = not published and (bool(private) or any(rel == p or rel.startswith(p) for p in INTERNAL))
-            out.append(
-                {
-                    "file": str(path.relative_to(ROOT)),
-                    "line": line,
-                    "module": target,
-                    "names": names,
-                    "published": published and not private,
-                    "internal": internal or bool(private),
-                }
-            )
-    return out
+    return [i for path in paths for i in classify_imports(path.read_text(), str(path.relative_to(ROOT)))]
 
 
 def plugin_files(root: Path = ROOT) -> list[Path]:
