@@ -31,8 +31,8 @@ Engine helpers
     references (``kernel_attention_naive``, ``feature_attention_naive``), the quarantine of
     non-finite rows (``allowed_pairs``, ``isolated_pre``, ``isolated_rows``,
     ``non_finite_rows``, ``poison_rows``, ``quarantine_non_finite``), ``absorb_keys``,
-    ``compute_dtype``, and the backends (``Backend``, ``Problem``, ``select_backend``,
-    ``attend_features``, ``attend_normalized``).
+    ``compute_dtype``, and the backends (``Backend``, ``Problem``, ``register_backend``,
+    ``select_backend``, ``attend_features``, ``attend_normalized``).
 Claims and verification
     every claim type of :mod:`kernelattn_core.claims`, ``check_claim``, ``z_threshold``.
 Experiments and reports
@@ -111,7 +111,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("kernelattn_core.engine.torch_backend", n) for n in ("absorb_keys", "compute_dtype")},
     **{
         n: ("kernelattn_core.engine.backends", n)
-        for n in ("Backend", "Problem", "attend_features", "attend_normalized", "select_backend")
+        for n in ("Backend", "Problem", "attend_features", "attend_normalized", "register_backend", "select_backend")
     },
     # claims and verification
     **{
