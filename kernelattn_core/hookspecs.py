@@ -28,12 +28,12 @@ PROJECT = "kernelattn"
 
 #: Version of the plugin specification (hooks, interface contracts, claims) this core
 #: provides, ``"MAJOR.MINOR"``. A plugin states the version it was written against with a
-#: module-level ``KERNELATTN_SPEC = "1.2"`` beside its hook implementations (no statement:
+#: module-level ``KERNELATTN_SPEC = "1.1"`` beside its hook implementations (no statement:
 #: ``"1.0"``, the first published spec); it loads when the major versions agree and its
 #: minor version is not newer than the core's. Within a major version nothing a plugin
 #: relies on is removed without a deprecation: see ``spec/plugins.rst`` (versions and
 #: deprecation policy).
-SPEC_VERSION = "1.2"
+SPEC_VERSION = "1.1"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

@@ -20,7 +20,7 @@ def __getattr__(name: str) -> object:
     caller = sys._getframe(1).f_globals.get("__name__", "")
     if not (caller == "kernelattn_core" or caller.startswith("kernelattn_core.")):
         warnings.warn(
-            f"kernelattn_core.lookup.{name} is deprecated (spec 1.2): use kernelattn_core.registry.{name}, "
+            f"kernelattn_core.lookup.{name} is deprecated (spec 1.1's additions): use kernelattn_core.registry.{name}, "
             f"or kernelattn_core.toolkit in a plugin",
             DeprecationWarning,
             stacklevel=2,

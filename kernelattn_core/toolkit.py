@@ -1,4 +1,4 @@
-"""The published plugin toolkit (plugin spec 1.2): everything a plugin may import from the core.
+"""The published plugin toolkit (added within plugin spec 1.1): what a plugin may import from the core.
 
 A plugin imports the top-level API (``import kernelattn_core as ka``: :func:`~kernelattn_core.create`,
 the interfaces, the errors, :data:`~kernelattn_core.hookimpl`, ...) and this module; nothing
@@ -155,7 +155,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
 }
 
 #: the version of the plugin spec that introduced the toolkit
-TOOLKIT_SPEC = "1.2"
+TOOLKIT_SPEC = "1.1"
 
 __all__ = sorted(_EXPORTS)
 

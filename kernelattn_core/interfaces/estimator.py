@@ -65,7 +65,7 @@ class AttentionEstimator(nn.Module, ABC):
     linear : bool
         Whether time and memory are linear in the sequence length.
     supports_step : bool or None
-        Whether the estimator decodes token by token with ``step`` (declared, spec 1.2;
+        Whether the estimator decodes token by token with ``step`` (declared, spec 1.1's additions;
         ``None`` reads it from the presence of a ``step`` method, see :func:`supports_step`).
     """
 
@@ -82,7 +82,7 @@ class AttentionEstimator(nn.Module, ABC):
     linear: ClassVar[bool] = False
     claims: ClassVar[tuple[Any, ...]] = ()
     #: whether the estimator has a decoding ``step`` (constant-size state), declared (spec
-    #: 1.2); ``None``: read as ``hasattr(estimator, "step")`` (plugins written before it)
+    #: 1.1 additions); ``None``: read as ``hasattr(estimator, "step")`` (plugins written before it)
     supports_step: ClassVar[bool | None] = None
 
     def __init__(self, *, scale: float | None = None) -> None:
@@ -247,7 +247,7 @@ def _empty_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
 
 def supports_step(estimator: AttentionEstimator) -> bool:
     """Whether ``estimator`` decodes with ``step``: its declared ``supports_step``, else
-    (an estimator written before spec 1.2 declared it) whether it has a ``step`` method."""
+    (an estimator written before spec 1.1's additions declared it) whether it has a ``step`` method."""
     declared = getattr(type(estimator), "supports_step", None)
     if declared is not None:
         return bool(declared)

@@ -104,7 +104,7 @@ class FeatureMap(nn.Module, ABC):
         deterministic map with no random target (``elu``).
     target_kernel_class : type or None
         The :class:`~kernelattn_core.interfaces.Kernel` subclass the map targets, declared
-        as a class (spec 1.2): :meth:`target_kernel` then builds it without a registry
+        as a class (spec 1.1's additions): :meth:`target_kernel` then builds it without a registry
         lookup. ``None`` (the default) resolves ``kernel`` through the registry.
     unbiased : bool
         Whether :math:`\\mathbb{E}[\\hat K(x, y)] = K(x, y)` exactly.
