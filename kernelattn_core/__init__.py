@@ -106,6 +106,10 @@ def __getattr__(name: str) -> object:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from importlib import import_module
 
+    # the registry first: it installs the name lookup that constructors given a name
+    # (``ExactAttention("gaussian")``) use below it (see kernelattn_core.interfaces.names)
+    from . import registry  # noqa: F401
+
     value = getattr(import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value

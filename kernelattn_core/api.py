@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .builtins.estimators import ExactAttention, FeatureMapAttention, _construct
+from .builtins.estimators import ExactAttention, FeatureMapAttention
 from .interfaces import AttentionEstimator
-from .registry import get_registry
+from .registry import construct, get_registry
 from .validation import check_budget
 
 
@@ -34,21 +34,38 @@ def create(name: str, **options: Any) -> AttentionEstimator:
     >>> ka.create("elu").feature_map.name
     'elu'
     """
-    entry = get_registry().get(name)
+    registry = get_registry()
+    entry = registry.get(name)
     if "num_features" in options and options["num_features"] is not None:
         check_budget("num_features", options["num_features"])
+    # every name is resolved here: what is built below receives classes and instances
     if entry.kind == "estimator":
-        return _construct("estimator", entry.cls, f"create({name!r})", options)
+        return construct("estimator", entry.cls, f"create({name!r})", options)
     if entry.kind == "feature_map":
-        return FeatureMapAttention(entry.name, **options)
+        normalizer = options.get("normalizer")
+        if normalizer is None:
+            normalizer = _default_normalizer(entry.cls)
+        if isinstance(normalizer, str):
+            options = {**options, "normalizer": registry.get(normalizer, "normalizer").cls}
+        return FeatureMapAttention(entry.cls, **options)
     if entry.kind == "kernel":
-        return ExactAttention(entry.name, **options)
+        return ExactAttention(entry.cls, **options)
     from .errors import UnknownNameError
 
     raise UnknownNameError(
         f"create: {name!r} is a {entry.kind.replace('_', ' ')}, not an estimator, feature map or kernel; "
         f"pass it as normalizer={name!r} to a feature-map estimator"
     )
+
+
+def _default_normalizer(cls: type) -> object:
+    """The ``default_normalizer`` a feature-map class declares (inherited included); a
+    property (a per-instance choice) gives ``None``: the estimator then asks the map."""
+    for klass in cls.__mro__:
+        if "default_normalizer" in vars(klass):
+            value = vars(klass)["default_normalizer"]
+            return value if isinstance(value, str) else None
+    return None
 
 
 def list_plugins() -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ from torch import nn
 
 from .api import create
 from .errors import InputError
+from .interfaces.estimator import supports_step
 from .interfaces.state import StateOwner, check_state, check_state_tensor
 from .validation import check_bool, check_positive_int, check_tensor
 
@@ -317,7 +318,7 @@ class KernelAttention(nn.Module):
         if x.shape[-1] != self.embed_dim:
             raise InputError(f"x: expected last dimension {self.embed_dim}, got shape {tuple(x.shape)}")
         q, k, v, kpm, _ = self.attention_inputs(x, key_padding_mask=key_padding_mask)
-        if hasattr(self.estimator, "step"):
+        if supports_step(self.estimator):
             out, state = self.estimator.step(q, k, v, state, key_padding_mask=kpm)
             return self._merge(out), state
         owner = StateOwner(
@@ -450,14 +451,14 @@ def build_estimator(name: str, head_dim: int, num_heads: int, options: dict[str,
 
 
 def _accepts_head_dim(name: str) -> bool:
-    from .lookup import resolve
+    from .registry import resolve
 
     entry = resolve(name)
     return entry.kind == "feature_map" or "head_dim" in _init_params(entry.cls)
 
 
 def _accepts(name: str, option: str) -> bool:
-    from .lookup import resolve
+    from .registry import resolve
 
     entry = resolve(name)
     return entry.kind in ("feature_map", "estimator") and option in _init_params(entry.cls)

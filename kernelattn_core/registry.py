@@ -1,7 +1,10 @@
 """The plugin registry: discovery through pluggy and the ``kernelattn`` entry points.
 
 Library code talks to :class:`Registry` (a typed facade); nothing else touches the
-pluggy hook relay. Built-ins are registered first, then every entry point of the
+pluggy hook relay. This module is also where registry names are turned into classes
+(:func:`resolve`, :func:`resolve_class`; the former ``kernelattn_core.lookup``):
+:func:`kernelattn_core.create` resolves every name it is given here and hands classes and
+instances to what it builds. Built-ins are registered first, then every entry point of the
 ``kernelattn`` group in name order.
 
 Environment switches
@@ -38,7 +41,8 @@ from . import hookspecs
 from .errors import PluginError, PluginWarning, UnknownNameError
 from .experiments import Experiment
 from .interfaces import AttentionEstimator, FeatureMap, Kernel, Normalizer
-from .lookup import install_resolver
+from .interfaces import names as _names
+from .interfaces.names import construct
 
 ENTRY_POINT_GROUP = "kernelattn"
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]*$")
@@ -361,6 +365,40 @@ def reload_plugins(**options: Any) -> Registry:
     return _REGISTRY
 
 
-# the core's interfaces and built-ins look names up through kernelattn_core.lookup,
-# so that they never import this module (which imports them)
-install_resolver(lambda name, kind: get_registry().get(name, kind))
+def resolve(name: str, kind: str | None = None) -> Entry:
+    """The entry of ``name`` in the process-wide registry (optionally of one ``kind``:
+    ``"kernel"``, ``"feature_map"``, ``"normalizer"``, ``"estimator"``); raises
+    :class:`~kernelattn_core.errors.UnknownNameError` listing the available names."""
+    return get_registry().get(name, kind)
+
+
+def resolve_class(name: str, kind: str) -> type:
+    """The class registered as ``name`` of ``kind`` in the process-wide registry."""
+    return resolve(name, kind).cls
+
+
+def install_resolver(resolver: Any) -> None:
+    """Make ``resolver(name, kind)`` the lookup of names given below the registry (what
+    :func:`resolve` does by default); kept for callers of the former
+    ``kernelattn_core.lookup.install_resolver``."""
+    _names.install_resolver(resolver)
+
+
+# Names given below the registry (``ExactAttention("gaussian")``, a feature map's
+# ``kernel = "softmax"``) are resolved here: the interfaces never import this module.
+_names.install_resolver(resolve)
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "KINDS",
+    "Entry",
+    "PluginInfo",
+    "Registry",
+    "construct",
+    "get_registry",
+    "install_resolver",
+    "reload_plugins",
+    "resolve",
+    "resolve_class",
+    "spec_compatible",
+]

@@ -290,9 +290,10 @@ def test_no_core_module_below_the_registry_imports_it_lazily() -> None:
     import ast
 
     root = Path(ka.__file__).parent
-    files = [*(root / "interfaces").glob("*.py"), *(root / "builtins").glob("*.py"), root / "module.py"]
-    # lookup.py is the inversion point: it loads the default registry on the first lookup
-    # when none is installed yet (the package __init__ is lazy), so it is not listed here
+    # module.py sits above the registry (it builds estimators with create()), so it is not listed
+    files = [*(root / "interfaces").glob("*.py"), *(root / "builtins").glob("*.py")]
+    # lookup.py is only the deprecated shim of the registry's resolve (it sits above it);
+    # names given below the registry meet it through interfaces/names.py, which never imports it
     files += [root / "redraw.py", root / "validation.py"]
     offenders = []
     for path in files:
@@ -307,3 +308,66 @@ def test_no_core_module_below_the_registry_imports_it_lazily() -> None:
 def test_target_kernel_resolves_through_the_installed_registry() -> None:
     rff = ka.get_registry().feature_map("rff")(num_features=4)
     assert type(rff.target_kernel()).__name__ == "GaussianKernel"
+
+
+def test_create_resolves_every_name_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 27: names are resolved in create() (and the registry) only; what it builds
+    receives classes. With the lookup below the registry disabled, create still builds
+    and runs; a constructor given a name directly needs it (the negative control)."""
+    import torch
+
+    from kernelattn_core.builtins import ExactAttention, FeatureMapAttention
+    from kernelattn_core.errors import KernelAttnError
+    from kernelattn_core.interfaces import names
+
+    ka.get_registry()
+    monkeypatch.setattr(names, "_resolver", None)
+    q = torch.randn(1, 2, 8, 4, dtype=torch.float64)
+    for name, options in (("softmax", {}), ("elu", {}), ("elu", {"normalizer": "signed-row"}), ("rff", {})):
+        est = ka.create(name, **options)
+        assert torch.isfinite(ka.kernel_attention(q, q, q, est)).all()
+    assert type(ka.create("elu", normalizer="signed-row").normalizer).__name__ == "SignedRowNormalizer"
+    with pytest.raises(KernelAttnError, match="no registry is loaded"):
+        ExactAttention("gaussian")
+    with pytest.raises(KernelAttnError, match="no registry is loaded"):
+        FeatureMapAttention("elu", normalizer="row")
+
+
+def test_constructors_given_names_still_resolve_through_the_registry() -> None:
+    from kernelattn_core.builtins import ExactAttention, FeatureMapAttention
+
+    assert type(ExactAttention("gaussian").kernel).__name__ == "GaussianKernel"
+    est = FeatureMapAttention("rff", normalizer="signed-row", num_features=8)
+    assert type(est.feature_map).__name__ == "RandomFourierFeatures"
+    assert type(est.normalizer).__name__ == "SignedRowNormalizer"
+    with pytest.raises(ka.UnknownNameError, match="unknown kernel name 'nope'"):
+        ExactAttention("nope")
+
+
+def test_declared_target_kernel_class_needs_no_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernelattn_core.builtins import EluFeatureMap, SoftmaxKernel
+    from kernelattn_core.interfaces import names
+
+    class Declared(EluFeatureMap):
+        kernel = "softmax"
+        target_kernel_class = SoftmaxKernel
+
+    class ByName(EluFeatureMap):
+        kernel = "softmax"
+
+    monkeypatch.setattr(names, "_resolver", None)
+    assert isinstance(Declared().target_kernel(), SoftmaxKernel)
+    with pytest.raises(ka.KernelAttnError, match="no registry is loaded"):
+        ByName().target_kernel()
+
+
+def test_lookup_is_a_deprecated_shim_of_the_registry() -> None:
+    import kernelattn_core.lookup as lookup
+    from kernelattn_core import registry
+
+    with pytest.warns(DeprecationWarning, match="kernelattn_core.registry.resolve_class"):
+        fn = lookup.resolve_class
+    assert fn is registry.resolve_class
+    assert fn("gaussian", "kernel").__name__ == "GaussianKernel"
+    with pytest.raises(AttributeError):
+        lookup.nothing_here

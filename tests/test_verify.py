@@ -285,7 +285,7 @@ def test_full_level_dimension_adapts_a_budget_the_map_refuses_only_there() -> No
     """FastFood needs a multiple of d: at the added d = 128 the declared budget 64 becomes
     128 (reported), at a declared dimension the refusal stays an error."""
     from kernelattn_core.errors import InputError
-    from kernelattn_core.lookup import resolve_class
+    from kernelattn_core.registry import resolve_class
     from kernelattn_core.verify.statistical import FULL_LEVEL_DIM, make_map_at
 
     cls = resolve_class("fastfood-prf", "feature_map")

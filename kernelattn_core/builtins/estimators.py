@@ -3,7 +3,6 @@ feature-map attention (linear in sequence length)."""
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, ClassVar
 
 import torch
@@ -16,43 +15,31 @@ from ..errors import InputError
 from ..interfaces.estimator import AttentionEstimator
 from ..interfaces.feature_map import FeatureMap
 from ..interfaces.kernel import Kernel
-from ..interfaces.normalizer import Normalizer
+from ..interfaces.names import construct, resolve_class
+from ..interfaces.normalizer import Normalizer, takes_causal
 from ..interfaces.state import StateOwner, check_state, check_state_tensor
-from ..lookup import resolve_class
 from ..redraw import RedrawPolicy
 from ..validation import check_positive_int
 from .kernels import SoftmaxKernel
 
-
-def _construct(kind: str, cls: type, owner: str, options: dict[str, Any]) -> Any:
-    """``cls(**options)`` with an error that names unknown options and the accepted ones."""
-    if cls.__init__ is object.__init__:  # a class without options: (self, /, *args, **kwargs) would accept anything
-        params: dict[str, inspect.Parameter] = {}
-        accepts_any = False
-    else:
-        params = dict(inspect.signature(cls.__init__).parameters)
-        accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    if not accepts_any:
-        accepted = [n for n, p in params.items() if n != "self" and p.kind is not inspect.Parameter.VAR_POSITIONAL]
-        unknown = sorted(set(options) - set(accepted))
-        if unknown and not accepted:
-            raise InputError(
-                f"{owner}: {kind} {getattr(cls, 'name', cls.__name__)!r} takes no options, got option(s) {unknown}"
-            )
-        if unknown:
-            raise InputError(
-                f"{owner}: unknown option(s) {unknown} for {kind} {getattr(cls, 'name', cls.__name__)!r}; "
-                f"accepted options: {accepted}"
-            )
-    return cls(**options)
+#: kept for plugins written before the toolkit (``from kernelattn_core.builtins.estimators import _construct``)
+_construct = construct
 
 
-def resolve_kernel(kernel: Kernel | str, options: dict[str, Any]) -> Kernel:
+def resolve_kernel(kernel: Kernel | type[Kernel] | str, options: dict[str, Any]) -> Kernel:
+    """A kernel instance from an instance, a class (built with ``options``) or, for
+    callers below :func:`~kernelattn_core.create`, a registry name."""
     if isinstance(kernel, Kernel):
         if options:
             raise InputError(f"kernel: options {sorted(options)} given with a Kernel instance; pass a name instead")
         return kernel
-    return _construct("kernel", resolve_class(kernel, "kernel"), "kernel", options)
+    if isinstance(kernel, type) and issubclass(kernel, Kernel):
+        return construct("kernel", kernel, "kernel", options)
+    if not isinstance(kernel, str):
+        raise InputError(
+            f"kernel: expected a Kernel, a Kernel subclass or a registry name, got {type(kernel).__name__}"
+        )
+    return construct("kernel", resolve_class(kernel, "kernel"), "kernel", options)
 
 
 def _all_finite(*tensors: torch.Tensor) -> bool:
@@ -99,14 +86,16 @@ class ExactAttention(AttentionEstimator):
 
     Parameters
     ----------
-    kernel : Kernel or str
-        The kernel, or its registry name; ``"softmax"`` by default.
+    kernel : Kernel, Kernel subclass or str
+        The kernel, its class (built with ``**kernel_options``) or its registry name
+        (resolved by the registry; :func:`~kernelattn_core.create` passes the class);
+        ``"softmax"`` by default.
     scale : float, optional
         See :class:`~kernelattn_core.interfaces.AttentionEstimator`.
     backend : {"auto", "sdpa", "naive"}
         Which path computes softmax attention.
     **kernel_options
-        Passed to the kernel class when ``kernel`` is a name.
+        Passed to the kernel class when ``kernel`` is a class or a name.
     """
 
     name: ClassVar[str] = "exact"
@@ -115,7 +104,7 @@ class ExactAttention(AttentionEstimator):
 
     def __init__(
         self,
-        kernel: Kernel | str = "softmax",
+        kernel: Kernel | type[Kernel] | str = "softmax",
         *,
         scale: float | None = None,
         backend: str = "auto",
@@ -193,10 +182,11 @@ class FeatureMapAttention(AttentionEstimator):
 
     Parameters
     ----------
-    feature_map : FeatureMap or str
-        The map, or its registry name (then ``num_features`` and
-        ``**feature_map_options`` build it).
-    normalizer : Normalizer or str, optional
+    feature_map : FeatureMap, FeatureMap subclass or str
+        The map, or its class or registry name (then ``num_features`` and
+        ``**feature_map_options`` build it). :func:`~kernelattn_core.create` passes the
+        class it resolved; a name given here is resolved by the registry.
+    normalizer : Normalizer, Normalizer subclass or str, optional
         The map's ``default_normalizer`` (``"row"``, plain row normalisation, unless the
         map names another) when ``None``.
     num_features : int, optional
@@ -226,11 +216,12 @@ class FeatureMapAttention(AttentionEstimator):
     random: ClassVar[bool] = True
     has_budget: ClassVar[bool] = True
     linear: ClassVar[bool] = True
+    supports_step: ClassVar[bool | None] = True
 
     def __init__(
         self,
-        feature_map: FeatureMap | str = "elu",
-        normalizer: Normalizer | str | None = None,
+        feature_map: FeatureMap | type[FeatureMap] | str = "elu",
+        normalizer: Normalizer | type[Normalizer] | str | None = None,
         *,
         num_features: int | None = None,
         head_dim: int | None = None,
@@ -252,11 +243,16 @@ class FeatureMapAttention(AttentionEstimator):
             options = dict(feature_map_options)
             if num_features is not None:
                 options["num_features"] = num_features
-            self.feature_map = _construct("feature map", resolve_class(feature_map, "feature_map"), "create", options)
+            if not (isinstance(feature_map, type) and issubclass(feature_map, FeatureMap)):
+                # a name given here directly (create() passes the class it resolved)
+                feature_map = resolve_class(feature_map, "feature_map")
+            self.feature_map = construct("feature map", feature_map, "create", options)
         if normalizer is None:
             normalizer = self.feature_map.default_normalizer
         if isinstance(normalizer, Normalizer):
             self.normalizer = normalizer
+        elif isinstance(normalizer, type) and issubclass(normalizer, Normalizer):
+            self.normalizer = normalizer()
         else:
             self.normalizer = resolve_class(normalizer, "normalizer")()
         self.redraw_policy = RedrawPolicy(redraw_every, seed)
@@ -371,7 +367,7 @@ class FeatureMapAttention(AttentionEstimator):
         their gradients are 0, not the transform's :math:`0 \\cdot \\mathrm{NaN}`)."""
         if type(self.normalizer).pre is Normalizer.pre:
             return q, k
-        options = {"causal": causal} if "causal" in inspect.signature(self.normalizer.pre).parameters else {}
+        options = {"causal": causal} if takes_causal(self.normalizer) else {}
         return isolated_pre(self.normalizer.pre, q, k, key_padding_mask, **options)
 
     def _post(self, out: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,6 @@ backend runs the call instead, with a :class:`BackendWarning`.
 
 from __future__ import annotations
 
-import contextvars
 import importlib.util
 import os
 import warnings
@@ -33,26 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import InputError
-
-
-class BackendLaunchError(InputError):
-    """A backend's kernels could not be launched for a call (out of resources, a compile
-    error); the message names the shape. Under automatic selection the engine runs the
-    torch backend instead, with a :class:`BackendWarning`."""
-
-
-class BackendWarning(UserWarning):
-    """The chosen backend could not run a call and another one ran it."""
-
-
-#: whether the backend running now was chosen automatically (it may fall back to torch)
-_FALLBACK: contextvars.ContextVar[bool] = contextvars.ContextVar("fallback", default=False)
-
-
-def fallback_allowed() -> bool:
-    """Whether the call being computed may fall back to torch (the backend was chosen
-    automatically); a backend reads it in its forward pass, for its backward pass."""
-    return _FALLBACK.get()
+from .launch import _FALLBACK, BackendLaunchError, BackendWarning, fallback_allowed  # noqa: F401 - re-exported
 
 
 @dataclass(frozen=True)
@@ -109,6 +89,13 @@ class Backend:
         returning ``(num, den, state)``: the decoding step (the contract of
         :func:`~kernelattn_core.engine.torch_backend.feature_attention_step`); torch's
         when ``None``.
+    load_grouped : callable, optional
+        ``() -> fn(feature_map, normalizer, q, k, v, *, causal, key_padding_mask,
+        chunk_size, scale)``: the backend's own entry from the map and the inputs (it
+        computes the features itself, group by group); returns ``(num, den)`` when
+        ``normalizer`` is ``None``, else ``(out,)``. When set, the engine calls it instead
+        of materialising features for ``load`` (the torch backend's grouped pass,
+        :mod:`kernelattn_core.engine.grouped`).
     """
 
     name: str
@@ -120,12 +107,59 @@ class Backend:
     auto: Callable[[Problem], bool] | None = None
     requirement: str = ""
     load_step: Callable[[], Callable[..., tuple[torch.Tensor, torch.Tensor, Any]]] | None = None
+    load_grouped: Callable[[], Callable[..., tuple[torch.Tensor, ...]]] | None = None
 
 
 def _load_torch() -> FeatureAttentionFn:
     from .torch_backend import feature_attention_torch
 
     return feature_attention_torch
+
+
+def _torch_grouped(
+    feature_map: Any,
+    normalizer: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    chunk_size: int | None,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, ...]:
+    """The torch backend's entry: features and attention per group of positions with its
+    own backward (:mod:`~kernelattn_core.engine.grouped`); under ``torch.compile`` the
+    normalised call runs :mod:`~kernelattn_core.engine.traced` (one graph, the quarantine
+    as tensor operations, autograd's backward)."""
+    if normalizer is not None and torch.compiler.is_compiling():
+        from .traced import traced_feature_attention
+
+        out = traced_feature_attention(
+            feature_map, normalizer, q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale
+        )
+        return (out,)
+    from .grouped import grouped_feature_attention
+
+    if normalizer is None:
+        return grouped_feature_attention(
+            feature_map, q, k, v, causal=causal, key_padding_mask=key_padding_mask, chunk_size=chunk_size
+        )
+    return grouped_feature_attention(
+        feature_map,
+        q,
+        k,
+        v,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        chunk_size=chunk_size,
+        scale=scale,
+        normalizer=normalizer,
+    )
+
+
+def _load_torch_grouped() -> Callable[..., tuple[torch.Tensor, ...]]:
+    return _torch_grouped
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -204,12 +238,10 @@ def attend_features(
             key_padding_mask=key_padding_mask,
             chunk_size=chunk_size,
         )
-    if backend.name == "torch":
-        from .grouped import grouped_feature_attention
-
-        # features and attention per group of positions, its own backward (grouped.py)
-        num, den = grouped_feature_attention(
-            fm, q, k, v, causal=causal, key_padding_mask=key_padding_mask, chunk_size=chunk_size
+    if backend.load_grouped is not None:
+        # the backend computes the features itself (torch: per group of positions, grouped.py)
+        num, den = backend.load_grouped()(
+            fm, None, q, k, v, causal=causal, key_padding_mask=key_padding_mask, chunk_size=chunk_size
         )
         return num, den
     phi_q = fm.raw_features(q, query=True)  # [B, H, N, D]
@@ -247,8 +279,9 @@ def attend_normalized(
     :class:`BackendWarning`, and ``fallback`` is called with it (to report which ran);
     ``None`` lets the error through.
 
-    The torch backend applies ``scale`` and the normaliser group by group inside its
-    grouped pass (:mod:`kernelattn_core.engine.grouped`), so no whole-sequence scaled copy
+    A backend with a grouped entry (``load_grouped``: the torch backend) applies ``scale``
+    and the normaliser group by group inside its grouped pass
+    (:mod:`kernelattn_core.engine.grouped`), so no whole-sequence scaled copy
     of the inputs, gradient of ``num`` or normaliser temporary is formed; other backends
     get the scaled inputs and the normaliser runs on their ``num`` and ``den``. Under
     ``torch.compile`` the torch backend runs :mod:`kernelattn_core.engine.traced` (one
@@ -256,24 +289,10 @@ def attend_normalized(
     ``normalize`` acts row by row (the :class:`~kernelattn_core.interfaces.Normalizer`
     contract).
     """
-    if backend.name == "torch":
-        if torch.compiler.is_compiling():  # one graph, no data-dependent branch (engine.traced)
-            from .traced import traced_feature_attention
-
-            return traced_feature_attention(
-                feature_map,
-                normalizer,
-                q,
-                k,
-                v,
-                causal=causal,
-                key_padding_mask=key_padding_mask,
-                scale=scale,
-            )
-        from .grouped import grouped_feature_attention
-
-        (out,) = grouped_feature_attention(
+    if backend.load_grouped is not None:
+        (out,) = backend.load_grouped()(
             feature_map,
+            normalizer,
             q,
             k,
             v,
@@ -281,7 +300,6 @@ def attend_normalized(
             key_padding_mask=key_padding_mask,
             chunk_size=chunk_size,
             scale=scale,
-            normalizer=normalizer,
         )
         return out
     token = _FALLBACK.set(fallback is not None)
@@ -394,7 +412,17 @@ def _load_triton_step() -> Callable[..., tuple[torch.Tensor, torch.Tensor, Any]]
     return feature_attention_step_triton
 
 
-register_backend(Backend("torch", 0, lambda: True, lambda problem: True, _load_torch, requirement="nothing"))
+register_backend(
+    Backend(
+        "torch",
+        0,
+        lambda: True,
+        lambda problem: True,
+        _load_torch,
+        requirement="nothing",
+        load_grouped=_load_torch_grouped,
+    )
+)
 register_backend(
     Backend(
         "triton",

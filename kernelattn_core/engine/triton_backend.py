@@ -57,7 +57,7 @@ from ..errors import InputError
 from ..interfaces.feature_map import FusedFeatureSpec
 from . import triton_config as C
 from . import triton_kernels as K
-from .backends import BackendLaunchError, BackendWarning, fallback_allowed
+from .launch import BackendLaunchError, BackendWarning, fallback_allowed
 from .torch_backend import CausalState
 
 tl = K.triton.language

@@ -64,6 +64,9 @@ class AttentionEstimator(nn.Module, ABC):
         Whether ``num_features`` is meaningful.
     linear : bool
         Whether time and memory are linear in the sequence length.
+    supports_step : bool or None
+        Whether the estimator decodes token by token with ``step`` (declared, spec 1.1's additions;
+        ``None`` reads it from the presence of a ``step`` method, see :func:`supports_step`).
     """
 
     name: ClassVar[str]
@@ -78,6 +81,9 @@ class AttentionEstimator(nn.Module, ABC):
     has_budget: ClassVar[bool] = False
     linear: ClassVar[bool] = False
     claims: ClassVar[tuple[Any, ...]] = ()
+    #: whether the estimator has a decoding ``step`` (constant-size state), declared (spec
+    #: 1.1 additions); ``None``: read as ``hasattr(estimator, "step")`` (plugins written before it)
+    supports_step: ClassVar[bool | None] = None
 
     def __init__(self, *, scale: float | None = None) -> None:
         super().__init__()
@@ -237,3 +243,12 @@ def _empty_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     b, h, n = q.shape[:3]
     anchor = q.flatten()[:0].sum() + k.flatten()[:0].sum() + v.flatten()[:0].sum()
     return torch.zeros(b, h, n, v.shape[-1], dtype=v.dtype, device=v.device) + anchor.to(v.dtype)
+
+
+def supports_step(estimator: AttentionEstimator) -> bool:
+    """Whether ``estimator`` decodes with ``step``: its declared ``supports_step``, else
+    (an estimator written before spec 1.1's additions declared it) whether it has a ``step`` method."""
+    declared = getattr(type(estimator), "supports_step", None)
+    if declared is not None:
+        return bool(declared)
+    return callable(getattr(estimator, "step", None))

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from ..errors import InputError
-from ..lookup import resolve_class
 from ..validation import check_budget, check_positive_int, check_tensor
 from .kernel import Kernel
+from .names import resolve_class
 from .state import add_family_marker
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -102,6 +102,10 @@ class FeatureMap(nn.Module, ABC):
     kernel : str or None
         Registry name of the kernel the map targets; ``None`` when the map is a
         deterministic map with no random target (``elu``).
+    target_kernel_class : type or None
+        The :class:`~kernelattn_core.interfaces.Kernel` subclass the map targets, declared
+        as a class (spec 1.1's additions): :meth:`target_kernel` then builds it without a registry
+        lookup. ``None`` (the default) resolves ``kernel`` through the registry.
     unbiased : bool
         Whether :math:`\\mathbb{E}[\\hat K(x, y)] = K(x, y)` exactly.
     positive : bool
@@ -125,6 +129,7 @@ class FeatureMap(nn.Module, ABC):
     name: ClassVar[str]
     aliases: ClassVar[tuple[str, ...]] = ()
     kernel: ClassVar[str | None] = None
+    target_kernel_class: ClassVar[type[Kernel] | None] = None
     unbiased: ClassVar[bool] = False
     positive: ClassVar[bool] = False
     learnable: ClassVar[bool] = False
@@ -333,10 +338,13 @@ class FeatureMap(nn.Module, ABC):
     def target_kernel(self) -> Kernel:
         """The exact kernel this map estimates, as configured (options, learned parameters).
 
-        The default builds the registered kernel named by ``kernel`` with default
-        options; maps whose target depends on options (a lengthscale) or on learned
-        parameters (mixture components) override this.
+        The default builds ``target_kernel_class`` when the map declares it, else the
+        kernel the registry has under the name ``kernel``, with default options; maps
+        whose target depends on options (a lengthscale) or on learned parameters
+        (mixture components) override this.
         """
+        if self.target_kernel_class is not None:
+            return self.target_kernel_class()
         if self.kernel is None:
             raise InputError(f"{self.name!r}: the map declares no target kernel (kernel = None)")
         return resolve_class(self.kernel, "kernel")()

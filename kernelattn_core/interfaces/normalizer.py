@@ -40,6 +40,9 @@ class Normalizer(nn.Module):
     aliases: ClassVar[tuple[str, ...]] = ()
     learnable: ClassVar[bool] = False
     claims: ClassVar[tuple[Any, ...]] = ()
+    #: whether :meth:`pre` takes the ``causal`` keyword, declared (spec 1.1's additions); ``None``: the
+    #: engine reads it from the signature of ``pre`` (plugins written against 1.0/1.1)
+    causal_aware: ClassVar[bool | None] = None
 
     def __init__(self, eps: float | None = None) -> None:
         super().__init__()
@@ -92,3 +95,14 @@ class Normalizer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"eps={self.eps}"
+
+
+def takes_causal(normalizer: Normalizer) -> bool:
+    """Whether ``normalizer.pre`` takes ``causal``: the declared ``causal_aware``, else (a
+    normaliser written before spec 1.1's additions declared it) read from the signature of ``pre``."""
+    declared = getattr(type(normalizer), "causal_aware", None)
+    if declared is not None:
+        return bool(declared)
+    import inspect
+
+    return "causal" in inspect.signature(normalizer.pre).parameters

@@ -191,7 +191,7 @@ def rfa_gate_reference(
 
 
 def _claims() -> dict[str, tuple[Any, ...]]:
-    from kernelattn_core.claims import EngineReference, UnbiasedKernelEstimate
+    from kernelattn_core.toolkit import EngineReference, UnbiasedKernelEstimate
 
     sampler = {"dims": (16,), "norm_range": (0.2, 2.0), "num_features": 16}
     return {

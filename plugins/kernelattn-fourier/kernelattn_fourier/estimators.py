@@ -10,13 +10,21 @@ from typing import Any, ClassVar
 import torch
 
 from kernelattn_core import FeatureMapAttention, Normalizer
-from kernelattn_core.engine.naive import isolated_pre, isolated_rows, non_finite_rows
-from kernelattn_core.errors import InputError
-from kernelattn_core.interfaces import AttentionEstimator
-from kernelattn_core.interfaces.state import StateOwner, check_state, check_state_tensor
-from kernelattn_core.lookup import resolve_class
-from kernelattn_core.redraw import RedrawPolicy
-from kernelattn_core.validation import check_key_padding_mask, check_positive_int, check_qkv
+from kernelattn_core.toolkit import (
+    AttentionEstimator,
+    InputError,
+    RedrawPolicy,
+    StateOwner,
+    check_key_padding_mask,
+    check_positive_int,
+    check_qkv,
+    check_state,
+    check_state_tensor,
+    isolated_pre,
+    isolated_rows,
+    non_finite_rows,
+    resolve_class,
+)
 
 from .claims import OPTION_CLAIMS
 from .feature_maps import RFAFeatures, TrigSoftmaxFeatures

@@ -15,14 +15,14 @@ import torch
 from torch import nn
 
 from kernelattn_core import FeatureMap, InputError
-from kernelattn_core.claims.types import (
+from kernelattn_core.toolkit import (
     ErrorDecay,
     EstimateVariance,
+    FusedFeatureSpec,
     PositiveFeatures,
     SymbolicExpectation,
     UnbiasedKernelEstimate,
 )
-from kernelattn_core.interfaces.feature_map import FusedFeatureSpec
 
 from . import claims as C
 from .kernels import GaussianKernel, SpectralKernel, make_kernel

@@ -43,8 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernelattn_core.errors import InputError
-from kernelattn_core.validation import check_positive_int
+from kernelattn_core.toolkit import InputError, check_positive_int
 
 
 def _guard(den: torch.Tensor, eps: float) -> torch.Tensor:

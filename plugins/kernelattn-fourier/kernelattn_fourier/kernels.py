@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 import torch
 
 from kernelattn_core import InputError, ShiftInvariantKernel
-from kernelattn_core.claims.types import KernelClosedForm, QuadratureIdentity, SpectralDensityIntegral
+from kernelattn_core.toolkit import KernelClosedForm, QuadratureIdentity, SpectralDensityIntegral
 
 from . import claims as _claims
 

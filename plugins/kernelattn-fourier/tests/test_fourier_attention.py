@@ -10,7 +10,7 @@ from kernelattn_fourier.estimators import RFAAttention, TrigSoftmaxAttention
 from kernelattn_fourier.normalizers import SignedRowNormalizer
 
 import kernelattn_core as ka
-from kernelattn_core.engine.naive import feature_attention_naive
+from kernelattn_core.toolkit import feature_attention_naive
 
 CASES = [("rff", {"num_features": 64}), ("trig-softmax", {}), ("rfa", {})]
 

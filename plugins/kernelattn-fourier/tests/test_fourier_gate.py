@@ -126,7 +126,7 @@ def test_estimator_gradcheck_float64() -> None:
 
 
 def test_estimator_refuses_non_causal_mode_naming_causal() -> None:
-    from kernelattn_core.errors import InputError
+    from kernelattn_core.toolkit import InputError
 
     est = _gated_estimator()
     q = torch.randn(1, 2, 4, 6, dtype=torch.float64)
@@ -217,7 +217,7 @@ def test_decay_scan_gradcheck() -> None:
 
 
 def test_gate_refuses_another_head_count_naming_num_heads() -> None:
-    from kernelattn_core.errors import InputError
+    from kernelattn_core.toolkit import InputError
 
     gate = Gate(head_dim=4, num_heads=2)
     with pytest.raises(InputError, match="num_heads"):
@@ -228,7 +228,7 @@ def test_gate_refuses_another_head_count_naming_num_heads() -> None:
 
 def test_bad_gate_options_are_refused_naming_the_argument() -> None:
     import kernelattn_core as ka
-    from kernelattn_core.errors import InputError
+    from kernelattn_core.toolkit import InputError
 
     with pytest.raises(InputError, match="init_gate_bias"):
         ka.create("rfa-gate", init_gate_bias=float("nan"))
@@ -277,7 +277,7 @@ def test_step_carries_a_consumed_non_finite_value_to_later_calls_only() -> None:
 
 
 def test_step_refuses_a_foreign_state_naming_state() -> None:
-    from kernelattn_core.errors import InputError
+    from kernelattn_core.toolkit import InputError
 
     est = _gated_estimator(chunk_size=4)
     q = torch.randn(1, 2, 3, 6, dtype=torch.float64)

@@ -11,7 +11,7 @@ import torch
 from kernelattn_fourier import kernels as K
 
 import kernelattn_core as ka
-from kernelattn_core.engine.naive import kernel_attention_naive
+from kernelattn_core.toolkit import kernel_attention_naive
 
 ALL = [K.GaussianKernel(1.3), K.LaplacianKernel(0.7), *(K.MaternKernel(1.1, nu) for nu in (0.5, 1.5, 2.5))]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kernelattn_core.claims import ConsistentAttention, EngineReference, RuntimeIdentity
+from kernelattn_core.toolkit import ConsistentAttention, EngineReference, RuntimeIdentity
 
 from .naive import window_attention_naive
 

@@ -8,13 +8,18 @@ from typing import Any, ClassVar
 
 import torch
 
-from kernelattn_core.engine.torch_backend import absorb_keys, compute_dtype
-from kernelattn_core.errors import InputError
-from kernelattn_core.interfaces.estimator import AttentionEstimator
-from kernelattn_core.interfaces.feature_map import FeatureMap
-from kernelattn_core.interfaces.state import StateOwner, check_state, check_state_tensor
-from kernelattn_core.redraw import RedrawPolicy
-from kernelattn_core.validation import check_positive_int
+from kernelattn_core.toolkit import (
+    AttentionEstimator,
+    FeatureMap,
+    InputError,
+    RedrawPolicy,
+    StateOwner,
+    absorb_keys,
+    check_positive_int,
+    check_state,
+    check_state_tensor,
+    compute_dtype,
+)
 
 from .claims import SLIDING_WINDOW_CLAIMS
 from .window import WindowState, empty_window_state, window_attention_blocked, window_step_one, window_weights_rows
@@ -127,8 +132,8 @@ class SlidingWindowAttention(AttentionEstimator):
                 )
             self.feature_map = feature_map
         elif isinstance(feature_map, str):
-            from kernelattn_core.builtins.estimators import _construct
-            from kernelattn_core.registry import get_registry
+            from kernelattn_core.toolkit import construct as _construct
+            from kernelattn_core.toolkit import get_registry
 
             cls = get_registry().feature_map(feature_map)
             options = dict(feature_map_options)

@@ -8,9 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from kernelattn_core.errors import InputError
-from kernelattn_core.interfaces.feature_map import FeatureMap
-from kernelattn_core.validation import check_choice, check_positive_int
+from kernelattn_core.toolkit import FeatureMap, InputError, check_choice, check_positive_int
 
 from .claims import HEDGEHOG_CLAIMS
 

@@ -659,7 +659,7 @@ def window_step_one(
     state : WindowState
         Continued with position ``p`` (a new object; ``state`` is not modified).
     """
-    from kernelattn_core.engine.torch_backend import absorb_keys
+    from kernelattn_core.toolkit import absorb_keys
 
     p = state.length
     g = global_tokens

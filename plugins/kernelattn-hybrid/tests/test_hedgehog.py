@@ -9,7 +9,7 @@ import torch
 from kernelattn_hybrid import HedgehogFeatureMap
 
 import kernelattn_core as ka
-from kernelattn_core.errors import InputError
+from kernelattn_core.toolkit import InputError
 
 F64 = torch.float64
 

@@ -12,7 +12,7 @@ from kernelattn_hybrid.naive import exact_sets, window_attention_naive
 from kernelattn_hybrid.window import window_attention_blocked
 
 import kernelattn_core as ka
-from kernelattn_core.errors import InputError
+from kernelattn_core.toolkit import InputError
 
 F64 = torch.float64
 

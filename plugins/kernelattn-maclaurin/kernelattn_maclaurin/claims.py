@@ -191,7 +191,7 @@ def ppsbn_pre(norm: Any, generator: torch.Generator) -> tuple[torch.Tensor, torc
 
 
 def _ppsbn_claims() -> dict[str, tuple[Any, ...]]:
-    from kernelattn_core.claims import EngineReference, RuntimeIdentity
+    from kernelattn_core.toolkit import EngineReference, RuntimeIdentity
 
     return {
         "ppsbn": (

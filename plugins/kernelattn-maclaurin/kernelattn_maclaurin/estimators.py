@@ -9,9 +9,7 @@ from typing import Any, ClassVar
 import torch
 
 from kernelattn_core import FeatureMap, FeatureMapAttention, Normalizer, get_registry
-from kernelattn_core.claims import ConsistentAttention
-from kernelattn_core.errors import InputError
-from kernelattn_core.validation import check_scale
+from kernelattn_core.toolkit import ConsistentAttention, InputError, check_scale
 
 from .claims import OPTION_CLAIMS
 from .feature_maps import RandomMaclaurinFeatures

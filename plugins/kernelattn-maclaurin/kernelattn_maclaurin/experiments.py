@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from kernelattn_core import ExactAttention
-from kernelattn_core.cli.measure import median_time
-from kernelattn_core.experiments import Experiment, add_output_arguments, check_plot, write_results
+from kernelattn_core.toolkit import Experiment, add_output_arguments, check_plot, median_time, write_results
 
 from .estimators import RMFA
 from .feature_maps import RandomMaclaurinFeatures
@@ -46,7 +45,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def error_figure(records: list[dict[str, Any]], path: Any) -> None:
     """SchoenbAt Fig. 4: mean absolute error against D, one panel per d, a line per kernel."""
-    from kernelattn_core.cli.plot import line_panels
+    from kernelattn_core.toolkit import line_panels
 
     line_panels(
         records, path, panel="d", group="kernel", x="D", y="mean_abs_err", xlabel="D (random features)",
@@ -56,7 +55,7 @@ def error_figure(records: list[dict[str, Any]], path: Any) -> None:
 
 def speed_figure(records: list[dict[str, Any]], path: Any) -> None:
     """SchoenbAt Fig. 5: speed-up of RMFA over exact attention against D, a panel per kernel, a line per L."""
-    from kernelattn_core.cli.plot import line_panels
+    from kernelattn_core.toolkit import line_panels
 
     line_panels(
         records, path, panel="kernel", group="L", x="D", y="speedup", xlabel="D (random features)",

@@ -17,14 +17,15 @@ from typing import Any, ClassVar
 import torch
 
 from kernelattn_core import FeatureMap
-from kernelattn_core.claims import (
+from kernelattn_core.toolkit import (
+    DomainError,
     ErrorDecay,
     EstimateVariance,
+    InputError,
     PmfSumsToOne,
     SymbolicExpectation,
     UnbiasedKernelEstimate,
 )
-from kernelattn_core.errors import DomainError, InputError
 
 from . import claims as _claims
 from .kernels import MaclaurinKernel, resolve_kernel

@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from kernelattn_core import DotProductKernel
-from kernelattn_core.claims import KernelMatchesExpression, MaclaurinCoefficients, NonNegativeCoefficients
-from kernelattn_core.errors import InputError
+from kernelattn_core.toolkit import InputError, KernelMatchesExpression, MaclaurinCoefficients, NonNegativeCoefficients
 
 if TYPE_CHECKING:
     import sympy
@@ -461,7 +460,7 @@ def _declare_negative_controls() -> None:
     """Attach the declared negative controls (:mod:`kernelattn_maclaurin.controls`) to the
     kernels' claims, so ``kernelattn verify`` shows KN001, KN002, KN003 and KN006 failing
     as expected."""
-    from kernelattn_core.claims import PositiveDefinite
+    from kernelattn_core.toolkit import PositiveDefinite
 
     from . import controls
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from kernelattn_core import Normalizer
-from kernelattn_core.errors import InputError
+from kernelattn_core.toolkit import InputError
 
 from .claims import OPTION_CLAIMS
 

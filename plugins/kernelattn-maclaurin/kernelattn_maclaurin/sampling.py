@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kernelattn_core.errors import InputError
+from kernelattn_core.toolkit import InputError
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from kernelattn_core.errors import InputError
+from kernelattn_core.toolkit import InputError
 
 
 def _positive(name: str, value: float) -> float:

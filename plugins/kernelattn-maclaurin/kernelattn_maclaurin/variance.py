@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from kernelattn_core.errors import InputError
+from kernelattn_core.toolkit import InputError
 
 from .sampling import DegreeDistribution
 

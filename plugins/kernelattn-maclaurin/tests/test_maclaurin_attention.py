@@ -11,7 +11,7 @@ from kernelattn_maclaurin import PPSBN, RandomMaclaurinFeatures, SchoenbAt
 from kernelattn_maclaurin.naive import kernelized_attention_naive, pre_sbn_naive, rmfa_naive
 
 import kernelattn_core as ka
-from kernelattn_core.errors import DomainError, InputError
+from kernelattn_core.toolkit import DomainError, InputError
 
 
 def _qkv(b=2, h=2, n=9, d=8, dv=5, seed=0, dtype=torch.float64):
@@ -332,7 +332,7 @@ def test_maclaurin_ppsbn_constant_row_has_a_zero_finite_gradient(dtype: torch.dt
 
 def test_maclaurin_schoenbat_bfloat16_gradient_finite_at_a_constant_row() -> None:
     """The fuzz case that found it: schoenbat, bfloat16, d = 2, scaled norm 1.9."""
-    from kernelattn_core.testing.fuzz import _tensors
+    from kernelattn_core.toolkit import fuzz_tensors as _tensors
 
     torch.manual_seed(0)
     est = ka.create("schoenbat", num_features=16, seed=0).eval()

@@ -6,7 +6,7 @@ import json
 
 from kernelattn_maclaurin.experiments import rmfa_error
 
-from kernelattn_core.cli.main import main
+from kernelattn_core.toolkit import cli_main as main
 
 
 def test_rmfa_error_experiment_prints_its_table(capsys):

@@ -13,7 +13,7 @@ from kernelattn_maclaurin import InfiniteVarianceWarning, RandomMaclaurinFeature
 from kernelattn_maclaurin.naive import rmf_features_naive
 
 import kernelattn_core as ka
-from kernelattn_core.errors import DomainError, InputError
+from kernelattn_core.toolkit import DomainError, InputError
 
 BIG = 200_000  # features of one Monte Carlo map: the per-feature products are i.i.d. samples
 

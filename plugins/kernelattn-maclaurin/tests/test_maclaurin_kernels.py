@@ -14,7 +14,7 @@ from kernelattn_maclaurin import PAPER_TABLE_1, PolynomialKernel, UserKernel
 from kernelattn_maclaurin.kernels import KERNELS, ExpKernel, InvKernel, LogiKernel, SqrtKernel, TrighKernel
 
 from kernelattn_core import get_registry
-from kernelattn_core.errors import DomainError, InputError
+from kernelattn_core.toolkit import DomainError, InputError
 
 ORDER = 24
 T = sympy.Symbol("t")

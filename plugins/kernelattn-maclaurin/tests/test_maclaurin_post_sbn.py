@@ -8,7 +8,7 @@ import torch
 from kernelattn_maclaurin import PPSBN
 
 import kernelattn_core as ka
-from kernelattn_core.errors import InputError
+from kernelattn_core.toolkit import InputError
 
 A = torch.tensor([-8.0, -1.0, 0.0, 0.5, 27.0], dtype=torch.float64)
 

@@ -10,7 +10,7 @@ import torch
 from kernelattn_maclaurin import DegreeDistribution, degree_distribution
 from kernelattn_maclaurin.feature_maps import RandomMaclaurinFeatures
 
-from kernelattn_core.errors import InputError
+from kernelattn_core.toolkit import InputError
 
 N = sympy.Symbol("n", integer=True, nonnegative=True)
 Q = sympy.Symbol("q", positive=True)  # p = 1 + q covers every p > 1

@@ -13,7 +13,7 @@ from kernelattn_maclaurin.theory import (
     theorem3_counterexample,
 )
 
-from kernelattn_core.errors import InputError
+from kernelattn_core.toolkit import InputError
 
 # spec 001 §6.2, L = 1: bound values and the smallest D with bound <= 0.05
 TABLE = {

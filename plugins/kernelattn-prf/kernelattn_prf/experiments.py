@@ -173,7 +173,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--include-full", action="store_true", help="also run the full-matrix rule")
     parser.add_argument("--seed", type=int, default=c.seed)
-    from kernelattn_core.experiments import add_output_arguments
+    from kernelattn_core.toolkit import add_output_arguments
 
     add_output_arguments(parser)
 
@@ -187,7 +187,7 @@ def config_from_args(args: argparse.Namespace) -> CexpConfig:
 def figure(results: dict[str, dict[str, list[float]]], path: object, config: CexpConfig) -> None:
     """CEXP's Fig. 1 (and Figs. 2-3): boxplots over datasets of the MSE and of the max
     relative error of each estimator, log scale."""
-    from kernelattn_core.cli.plot import boxplots
+    from kernelattn_core.toolkit import boxplots
 
     boxplots(
         results,
@@ -199,7 +199,7 @@ def figure(results: dict[str, dict[str, list[float]]], path: object, config: Cex
 
 def run(args: argparse.Namespace) -> int:
     """Run the experiment and write its table (or CSV / JSON) and figure (``--plot``)."""
-    from kernelattn_core.experiments import check_plot, write_results
+    from kernelattn_core.toolkit import check_plot, write_results
 
     check_plot(args)
     config = config_from_args(args)
@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _make_experiment():  # type: ignore[no-untyped-def]
-    from kernelattn_core.experiments import Experiment
+    from kernelattn_core.toolkit import Experiment
 
     return Experiment(
         name="cexp",

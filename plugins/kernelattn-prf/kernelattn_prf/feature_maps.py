@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 
 from kernelattn_core import FeatureMap, InputError
-from kernelattn_core.claims import (
+from kernelattn_core.toolkit import (
     ErrorDecay,
     EstimateVariance,
+    FusedFeatureSpec,
     SymbolicExpectation,
     UnbiasedKernelEstimate,
 )
-from kernelattn_core.interfaces.feature_map import FusedFeatureSpec
 
 from . import adaptation
 from .sampling import block_orthogonal_rows, chi_norms, num_blocks

@@ -210,7 +210,7 @@ def chi2_quantile(q: float, dof: int) -> float:
     import mpmath as mp
 
     if not (0.0 < q < 1.0):
-        from kernelattn_core.errors import InputError
+        from kernelattn_core.toolkit import InputError
 
         raise InputError(f"q: expected a probability in (0, 1), got {q!r}")
     with mp.workdps(30):
@@ -310,7 +310,7 @@ def fit_anisotropic(feature_map: Any, generator: torch.Generator) -> None:
 
 
 def _cexp_claims() -> tuple[Any, ...]:
-    from kernelattn_core.claims import EngineReference, EstimateVariance, UnbiasedKernelEstimate
+    from kernelattn_core.toolkit import EngineReference, EstimateVariance, UnbiasedKernelEstimate
 
     fixed = {"rule": "fixed", "matrix": nonsymmetric_matrix(16)}
     return (

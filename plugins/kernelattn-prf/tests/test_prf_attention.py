@@ -9,7 +9,7 @@ import torch
 from kernelattn_prf import ComplexExponentialFeatures, HyperbolicComplexExponentialFeatures, PositiveRandomFeatures
 
 import kernelattn_core as ka
-from kernelattn_core.engine.naive import kernel_attention_naive
+from kernelattn_core.toolkit import kernel_attention_naive
 
 NAMES = ["prf", "prf-hyperbolic", "cexp", "hcexp"]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernelattn_prf.experiments import CexpConfig, make_dataset, run_experiment, summary_records
 
-from kernelattn_core.cli.main import main
+from kernelattn_core.toolkit import cli_main as main
 
 SMALL = CexpConfig(datasets=5, pairs=100, num_features=256, seed=0)
 

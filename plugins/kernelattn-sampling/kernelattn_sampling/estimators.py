@@ -23,16 +23,20 @@ import torch
 from torch import nn
 
 from kernelattn_core import AttentionEstimator, InputError
-from kernelattn_core.claims import (
+from kernelattn_core.toolkit import (
     ConsistentAttention,
     QuadratureIdentity,
+    RedrawPolicy,
     SymbolicExpectation,
     UnbiasedAttention,
+    allowed_pairs,
+    check_choice,
+    check_positive_int,
+    compute_dtype,
+    generator_for,
+    poison_rows,
+    quarantine_non_finite,
 )
-from kernelattn_core.engine.naive import allowed_pairs, poison_rows, quarantine_non_finite
-from kernelattn_core.engine.torch_backend import compute_dtype
-from kernelattn_core.redraw import RedrawPolicy, generator_for
-from kernelattn_core.validation import check_choice, check_positive_int
 
 from . import functional as fn
 from .chunked import ra_blocked, use_blocks
@@ -410,7 +414,7 @@ class RFASNIS(AttentionEstimator):
             fm.redraw(generator=self.draws.next())
         k, v = fn.drop_padded(k, v, key_padding_mask)
         if causal:
-            from kernelattn_core.engine.backends import Problem, select_backend
+            from kernelattn_core.toolkit import Problem, select_backend
 
             phi_q, phi_k = fm.raw_features(q, query=True), fm.raw_features(k, query=False)
             backend = select_backend(Problem(q.device, phi_q.dtype, True, True, torch.is_grad_enabled()), None)

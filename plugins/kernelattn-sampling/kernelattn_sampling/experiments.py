@@ -75,7 +75,7 @@ def make_model(method: str, config: EfficiencyConfig) -> nn.Module:
 
 def run_experiment(config: EfficiencyConfig) -> list[dict[str, Any]]:
     """One record per (method, length): milliseconds, MB and ratios to softmax."""
-    from kernelattn_core.cli.measure import median_time, peak_memory
+    from kernelattn_core.toolkit import median_time, peak_memory
 
     device = torch.device("cpu")
     records: list[dict[str, Any]] = []
@@ -120,14 +120,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--warmup", type=int, default=d.warmup, help="untimed forward calls first")
     parser.add_argument("--seed", type=int, default=d.seed)
-    from kernelattn_core.experiments import add_output_arguments
+    from kernelattn_core.toolkit import add_output_arguments
 
     add_output_arguments(parser)
 
 
 def figure(records: list[dict[str, Any]], path: object) -> None:
     """Table 6 as bars: time and peak-memory ratios to softmax, grouped by length."""
-    from kernelattn_core.cli.plot import grouped_bars
+    from kernelattn_core.toolkit import grouped_bars
 
     grouped_bars(
         records,
@@ -141,7 +141,7 @@ def figure(records: list[dict[str, Any]], path: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run and write the table (ratios to softmax, as in Table 6), CSV / JSON, and the figure."""
-    from kernelattn_core.experiments import check_plot, write_results
+    from kernelattn_core.toolkit import check_plot, write_results
 
     check_plot(args)
     fields = EfficiencyConfig.__dataclass_fields__
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _make_experiment():  # type: ignore[no-untyped-def]
-    from kernelattn_core.experiments import Experiment
+    from kernelattn_core.toolkit import Experiment
 
     return Experiment(
         name="lara-efficiency",

@@ -145,7 +145,7 @@ def ra_quadrature_code_noise(dps: int, head_dim: int = 4) -> tuple[Any, Any, str
 
 # --------------------------------------------------------------------------- AT002 as a rate (spec 1.1)
 def _consistency_claims() -> dict[str, tuple[Any, ...]]:
-    from kernelattn_core.claims import ConsistentAttention, UnbiasedAttention
+    from kernelattn_core.toolkit import ConsistentAttention, UnbiasedAttention
 
     return {
         # RFA is self-normalised importance sampling with the standard-normal proposal: biased,

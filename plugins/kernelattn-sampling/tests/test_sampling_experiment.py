@@ -6,7 +6,7 @@ import json
 
 from kernelattn_sampling.experiments import EfficiencyConfig, run_experiment
 
-from kernelattn_core.cli.main import main
+from kernelattn_core.toolkit import cli_main as main
 
 
 def test_sampling_experiment_records_and_ratios() -> None:

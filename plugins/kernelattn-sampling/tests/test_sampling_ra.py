@@ -13,9 +13,7 @@ from kernelattn_sampling import naive
 from kernelattn_sampling.theory import ra_quadrature, ra_quadrature_code_noise, target_density_mass
 
 import kernelattn_core as ka
-from kernelattn_core.claims import UnbiasedAttention
-from kernelattn_core.registry import get_registry
-from kernelattn_core.verify import check_claim
+from kernelattn_core.toolkit import UnbiasedAttention, check_claim, get_registry
 
 D64 = torch.float64
 #: more draws than the declared claim so that the negative controls fail by a wide margin

@@ -44,7 +44,7 @@ def test_blocked_path_equals_full_path_in_evaluation(
 def test_blocked_path_memory_does_not_hold_the_full_matrix(monkeypatch: pytest.MonkeyPatch) -> None:
     """Peak memory of a blocked RA call stays below one [N, M] float32 matrix, which the
     full path (the negative control) holds several times over."""
-    from kernelattn_core.cli.measure import peak_memory
+    from kernelattn_core.toolkit import peak_memory
 
     q, k, v = (t[:1, :1].float() for t in _inputs(n=2048, d=8, seed=1))
     est = ka.create("ra", num_features=1).eval()

@@ -11,7 +11,7 @@ import torch
 from kernelattn_sampling.lara import Proposals, r_prime, weight_table
 from kernelattn_sampling.theory import derive_lemma_a1_1d, eq35_printed_collapses, lemma_a1_vector, optimal_weights
 
-from kernelattn_core.verify.result import z_threshold
+from kernelattn_core.toolkit import z_threshold
 
 D64 = torch.float64
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from kernelattn_core.errors import InputError
+from kernelattn_core.toolkit import InputError
 
 
 def check_positive_float(name: str, value: object, *, allow_zero: bool = False) -> float:

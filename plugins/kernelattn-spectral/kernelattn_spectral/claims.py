@@ -165,7 +165,7 @@ def evaluate_gmm_prf_2d(dps: int) -> tuple[Any, Any, str]:
 
 # --------------------------------------------------------------------------- option coverage (spec 1.1)
 def _generative_claims() -> tuple[Any, ...]:
-    from kernelattn_core.claims import EngineReference
+    from kernelattn_core.toolkit import EngineReference
 
     # a small generator network at trained-like weights: the engine's outputs and the
     # gradients reaching every weight of the network (what fitting the spectral density uses)

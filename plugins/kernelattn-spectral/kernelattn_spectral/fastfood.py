@@ -9,9 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from kernelattn_core.claims.types import UnbiasedKernelEstimate
-from kernelattn_core.errors import InputError
-from kernelattn_core.interfaces.feature_map import FeatureMap
+from kernelattn_core.toolkit import FeatureMap, InputError, UnbiasedKernelEstimate
 
 from ._base import check_positive_float, prf_log_features, rks_features
 from .hadamard import fwht, is_power_of_two

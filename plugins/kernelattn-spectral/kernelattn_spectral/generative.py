@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernelattn_core.errors import InputError
-from kernelattn_core.interfaces.feature_map import FeatureMap
+from kernelattn_core.toolkit import FeatureMap, InputError
 
 from ._base import check_int, check_positive_float, prf_log_features, rks_features
 from .claims import GENERATIVE_CLAIMS

@@ -13,13 +13,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from kernelattn_core.claims.types import (
+from kernelattn_core.toolkit import (
+    FeatureMap,
+    InputError,
     QuadratureIdentity,
     SymbolicExpectation,
     UnbiasedKernelEstimate,
 )
-from kernelattn_core.errors import InputError
-from kernelattn_core.interfaces.feature_map import FeatureMap
 
 from . import claims as _c
 from ._base import check_int, check_positive_float, prf_log_features, rks_features

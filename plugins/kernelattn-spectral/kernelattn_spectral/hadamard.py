@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernelattn_core.errors import InputError
+from kernelattn_core.toolkit import InputError
 
 
 def is_power_of_two(n: int) -> bool:

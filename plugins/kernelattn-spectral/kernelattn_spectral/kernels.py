@@ -14,9 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from kernelattn_core.claims import QuadratureIdentity
-from kernelattn_core.errors import InputError
-from kernelattn_core.interfaces.kernel import Kernel, KernelFamily, ShiftInvariantKernel
+from kernelattn_core.toolkit import InputError, Kernel, KernelFamily, QuadratureIdentity, ShiftInvariantKernel
 
 from . import theory as _theory
 

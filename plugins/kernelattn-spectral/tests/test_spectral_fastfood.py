@@ -11,7 +11,7 @@ from kernelattn_spectral import FastFoodPRFFeatureMap, FastFoodRKSFeatureMap, fw
 from kernelattn_spectral.kernels import GaussianPRFKernel, SpectralMixtureKernel
 from kernelattn_spectral.naive import fastfood_matrix, hadamard_matrix
 
-from kernelattn_core.errors import InputError
+from kernelattn_core.toolkit import InputError
 
 Z_MAX = 5.5  # Bonferroni over <= 16 pairs at a 1e-6 false-failure rate is z ~ 5.3
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernelattn_spectral import GenerativePRFFeatureMap, GenerativeRKSFeatureMap
 
-from kernelattn_core.errors import InputError
+from kernelattn_core.toolkit import InputError
 
 
 def test_architecture_defaults_and_options() -> None:

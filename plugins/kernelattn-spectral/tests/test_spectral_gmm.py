@@ -17,7 +17,7 @@ from kernelattn_spectral.kernels import GaussianPRFKernel, SpectralMixtureKernel
 from kernelattn_spectral.naive import gmm_frequencies, prf_kernel_estimate, rks_kernel_estimate
 
 import kernelattn_core as ka
-from kernelattn_core.errors import InputError
+from kernelattn_core.toolkit import InputError
 
 Z_MAX = 5.5  # Bonferroni over <= 40 coordinates at a ~1e-6 false-failure rate is z ~ 5.6; pairs <= 8: 5.3
 

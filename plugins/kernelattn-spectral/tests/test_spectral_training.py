@@ -8,7 +8,7 @@ import torch
 from kernelattn_spectral.kernels import GaussianPRFKernel, SpectralMixtureKernel
 
 import kernelattn_core as ka
-from kernelattn_core.builtins.estimators import ExactAttention
+from kernelattn_core.toolkit import ExactAttention
 
 MAPS = ["gmm-rks", "gmm-prf", "fastfood-rks", "fastfood-prf", "generative-rks", "generative-prf"]
 

@@ -9,11 +9,7 @@ import sympy
 import torch
 
 from kernelattn_core import FeatureMap
-from kernelattn_core.claims import (
-    ErrorDecay,
-    SymbolicExpectation,
-    UnbiasedKernelEstimate,
-)
+from kernelattn_core.toolkit import ErrorDecay, SymbolicExpectation, UnbiasedKernelEstimate
 
 
 def antithetic_expectation():

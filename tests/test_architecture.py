@@ -1,0 +1,221 @@
+"""Meta-tests of the core's structure (issue 27, "One spine"), measured by
+``scripts/spine_metrics.py``: the goals that are met cannot regress.
+
+* plugins (ours and the tutorial's) import only the top-level API and
+  :mod:`kernelattn_core.toolkit`;
+* the core has no static import circle (module- and function-level imports) outside
+  ``convert/`` (whose circle is its owners' to break), and no more imports running back up
+  the layers than today;
+* every checker has a negative control on a synthetic source.
+
+Static analysis only (ast, no torch import in the checks): about 1 s.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("spine_metrics", ROOT / "scripts" / "spine_metrics.py")
+assert _spec is not None and _spec.loader is not None
+M = importlib.util.module_from_spec(_spec)
+sys.modules["spine_metrics"] = M
+_spec.loader.exec_module(M)
+
+#: imports running back up the layers today (BEFORE: 14); lower it when one is removed
+MAX_UPWARD = 13
+
+
+# ---------------------------------------------------------------------- plugin imports
+def test_plugins_import_only_the_toolkit_and_the_top_level() -> None:
+    files = M.plugin_files()
+    assert len(files) > 50  # the six plugins and the tutorial, sources and tests
+    found = M.plugin_import_lines(files)
+    assert len(found) > 100
+    bad = [f"{i['file']}:{i['line']} {i['module']} {i['names']}" for i in found if not i["published"]]
+    assert bad == [], "plugins must import kernelattn_core or kernelattn_core.toolkit only:\n" + "\n".join(bad)
+
+
+def test_the_plugin_import_checker_flags_internal_imports() -> None:
+    """Negative control: each offending spelling is caught, the published ones are not."""
+    source = "\n".join(
+        [
+            "import kernelattn_core as ka",
+            "from kernelattn_core import FeatureMap, create",
+            "from kernelattn_core.toolkit import InputError, construct",
+            "from kernelattn_core.engine.naive import kernel_attention_naive",
+            "from kernelattn_core.errors import InputError",
+            "from kernelattn_core.toolkit import _EXPORTS",
+            "import kernelattn_core.registry",
+            "def f():",
+            "    from kernelattn_core.lookup import resolve_class",  # inside a function too
+        ]
+    )
+    found = M.classify_imports(source, "synthetic.py")
+    assert [(i["line"], i["published"]) for i in found] == [
+        (1, True),
+        (2, True),
+        (3, True),
+        (4, False),
+        (5, False),
+        (6, False),
+        (7, False),
+        (9, False),
+    ]
+    assert [i["line"] for i in found if i["internal"]] == [4, 6, 7, 9]
+
+
+def test_every_toolkit_name_resolves_and_is_public() -> None:
+    import kernelattn_core.toolkit as tk
+
+    assert tk.__all__ == sorted(tk._EXPORTS)
+    assert not [n for n in tk.__all__ if n.startswith("_")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in tk.__all__:
+            assert getattr(tk, name) is not None, name
+    from kernelattn_core.builtins.estimators import _construct
+    from kernelattn_core.testing.fuzz import _tensors
+
+    assert tk.construct is _construct and tk.fuzz_tensors is _tensors
+    with pytest.raises(AttributeError, match="not part of the published plugin toolkit"):
+        tk.select_backend_privately
+
+
+# ---------------------------------------------------------------------- import graph
+def test_no_import_circle_in_the_core_outside_convert() -> None:
+    circles = M.strongly_connected(M.import_graph(M.core_modules()))
+    outside = [c for c in circles if not all(m.startswith("kernelattn_core.convert") for m in c)]
+    assert outside == []
+    # convert/__init__ <-> decoder/distill: owned by the conversion work, not to grow
+    assert sum(len(c) for c in circles) <= 3
+
+
+def test_imports_running_back_up_do_not_grow() -> None:
+    upward = M.upward_imports(M.import_graph(M.core_modules()))
+    assert len(upward) <= MAX_UPWARD, "\n".join(f"{a} -> {b}" for a, b in upward)
+    # the interfaces never reach up to the registry or the built-ins
+    assert not [(a, b) for a, b in upward if a.startswith("kernelattn_core.interfaces") and "registry" in b]
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
+    pkg = tmp_path / "kernelattn_core"
+    for rel, text in files.items():
+        path = pkg / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return M.core_modules(pkg)
+
+
+def test_the_circle_checker_sees_function_level_imports(tmp_path: Path) -> None:
+    """Negative control: a circle closed by an import inside a function is a circle;
+    one closed only under ``TYPE_CHECKING`` is not."""
+    modules = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "errors.py": "",
+            "interfaces/__init__.py": "",
+            "interfaces/feature_map.py": "def f():\n    from ..registry import get\n",
+            "registry.py": "from .interfaces import feature_map\n",
+            "engine/__init__.py": "",
+            "engine/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import b\n",
+            "engine/b.py": "from . import a\n",
+        },
+    )
+    graph = M.import_graph(modules)
+    assert M.strongly_connected(graph) == [["kernelattn_core.interfaces.feature_map", "kernelattn_core.registry"]]
+    assert M.upward_imports(graph) == [("kernelattn_core.interfaces.feature_map", "kernelattn_core.registry")]
+
+
+def test_every_core_module_has_a_layer() -> None:
+    modules = M.core_modules()
+    assert {m: M.layer_of(m) for m in modules}  # raises KeyError naming a module in no layer
+    assert M.layer_of("kernelattn_core.errors") < M.layer_of("kernelattn_core.interfaces.feature_map")
+    assert M.layer_of("kernelattn_core.interfaces.names") < M.layer_of("kernelattn_core.registry")
+    assert M.layer_of("kernelattn_core.registry") < M.layer_of("kernelattn_core.cli.main")
+    with pytest.raises(KeyError):
+        M.layer_of("elsewhere.module")
+
+
+# ---------------------------------------------------------------------- backends and capabilities
+def test_the_engine_calls_a_backend_records_grouped_entry_whatever_its_name() -> None:
+    """No branch on a backend's name: a record with ``load_grouped`` is run through it, one
+    without through ``load`` on materialised features; both agree with the torch backend."""
+    import torch
+
+    import kernelattn_core as ka
+
+    # the module (``kernelattn_core.engine.backends`` as an attribute is the function backends())
+    B = importlib.import_module("kernelattn_core.engine.backends")
+
+    est = ka.create("prf", num_features=16, seed=0)
+    q, k, v = (
+        torch.randn(1, 2, 12, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in range(3)
+    )
+    ref = ka.kernel_attention(q, k, v, est, causal=True)  # builds the map
+    calls: list[str] = []
+
+    def grouped(*args: object, **kwargs: object) -> tuple[torch.Tensor, ...]:
+        calls.append("grouped")
+        return B._torch_grouped(*args, **kwargs)  # type: ignore[arg-type]
+
+    def load() -> B.FeatureAttentionFn:
+        calls.append("load")
+        return B._load_torch()
+
+    with_grouped = B.Backend("probe", -1, lambda: True, lambda p: True, load, load_grouped=lambda: grouped)
+    plain = B.Backend("probe-plain", -1, lambda: True, lambda p: True, load)
+    for backend, expected in ((with_grouped, ["grouped"]), (plain, ["load"])):
+        calls.clear()
+        out = B.attend_normalized(
+            backend,
+            est.feature_map,
+            est.normalizer,
+            q,
+            k,
+            v,
+            causal=True,
+            key_padding_mask=None,
+            chunk_size=None,
+            scale=est._input_root(q.shape[-1]),
+        )
+        assert calls == expected
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    assert B._BACKENDS["torch"].load_grouped is not None
+
+
+def test_declared_capabilities_win_over_the_probes() -> None:
+    from kernelattn_core.builtins import FeatureMapAttention, RowNormalizer
+    from kernelattn_core.interfaces.estimator import AttentionEstimator, supports_step
+    from kernelattn_core.interfaces.normalizer import takes_causal
+
+    assert FeatureMapAttention.supports_step is True and supports_step(FeatureMapAttention("elu"))
+
+    class Old(AttentionEstimator):  # spec 1.1: no declaration, a step method
+        name = "old"
+
+        def _attend(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+            return v
+
+        def step(self) -> None: ...
+
+    class Declared(Old):
+        supports_step = False
+
+    assert supports_step(Old()) and not supports_step(Declared())
+
+    class OldNorm(RowNormalizer):
+        def pre(self, q, k, *, key_padding_mask=None):  # type: ignore[no-untyped-def]
+            return q, k
+
+    class DeclaredNorm(OldNorm):
+        causal_aware = True
+
+    assert takes_causal(RowNormalizer()) and not takes_causal(OldNorm()) and takes_causal(DeclaredNorm())
