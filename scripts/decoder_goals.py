@@ -23,14 +23,25 @@ running, and say which machine gave them.
     Held-out perplexity of a teacher checkpoint and of students converted from it and
     fitted with :func:`~kernelattn_core.distill_attention` on the fitting text, at a
     budget of 128 per query (``sliding-window``: 64 window keys + 64 features;
-    ``hedgehog`` and ``prf``: 128 features). Any local decoder checkpoint works.
+    ``hedgehog`` and ``prf``: 128 features), optionally followed by the end-to-end stage
+    (``--e2e-steps``, ``--lora-rank``: :func:`~kernelattn_core.convert.lm.finetune_causal_lm`
+    on the first 90 % of the fitting text, early-stopped on the rest). Any local decoder
+    checkpoint works.
+
+``profile``
+    Where the time of greedy decoding goes: ``model.generate()`` of ``--tokens`` tokens
+    after a ``--context``-token prompt, under :mod:`cProfile`, for each estimator; prints
+    the functions with the most cumulative time and their calls per generated token
+    (call counts do not depend on the machine's load; the times do).
 
 Examples::
 
     python scripts/decoder_goals.py decode --contexts 1024 4096 16384 --threads 2
     python scripts/decoder_goals.py compile --threads 2
+    python scripts/decoder_goals.py profile --context 16384 --tokens 32 --estimators prf hedgehog
     python -m kernelattn_core.convert.teacher --output teacher --minutes 10
     python scripts/decoder_goals.py perplexity teacher --steps 300
+    python scripts/decoder_goals.py perplexity teacher --steps 300 --e2e-steps 200 --lora-rank 8
 """
 
 from __future__ import annotations
@@ -103,6 +114,54 @@ def run_decode(args: argparse.Namespace, sink: list[dict[str, Any]]) -> None:
             cache = None if model is base else KernelCache()
             result = time_decoding(model, context, args.tokens, cache)
             emit({"measure": "decode", "model": label, "context": context, **result}, sink)
+
+
+# ---------------------------------------------------------------------- profile
+def run_profile(args: argparse.Namespace, sink: list[dict[str, Any]]) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    import kernelattn_core as ka
+    from kernelattn_core.convert import KernelCache
+
+    base = decode_model(args.context + args.tokens + 8)
+    ids = torch.randint(3, 384, (1, args.context), generator=torch.Generator().manual_seed(0))
+    for name in args.estimators:
+        model = ka.convert_attention(base, name, **STUDENTS[name]).eval()
+        with torch.no_grad():
+            cache = KernelCache()
+            out = model(input_ids=ids, cache=cache, use_cache=True)  # the prefill, outside the profile
+            nxt = out.logits[:, -1:].argmax(-1)
+            mask = torch.ones(1, args.context + 1, dtype=torch.long)
+            prof = cProfile.Profile()
+            prof.enable()
+            model.generate(
+                torch.cat([ids, nxt], 1), attention_mask=mask, cache=cache, max_new_tokens=args.tokens,
+                do_sample=False, min_new_tokens=args.tokens,
+            )  # fmt: skip
+            prof.disable()
+        stats = pstats.Stats(prof)
+        rows = []
+        for (file, line, func), (_, calls, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
+            rows.append(
+                {
+                    "function": f"{'/'.join(file.rsplit('/', 2)[-2:])}:{line}({func})",
+                    "calls_per_token": calls / args.tokens,
+                    "tottime_s": tottime,
+                    "cumtime_s": cumtime,
+                }
+            )
+        rows.sort(key=lambda r: -r["cumtime_s"])
+        total = max(r["cumtime_s"] for r in rows)
+        for r in rows[: args.top]:
+            emit(
+                {"measure": "profile", "model": name, "context": args.context, **r, "share": r["cumtime_s"] / total},
+                sink,
+            )
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.top)
+        print(text.getvalue(), file=sys.stderr)
 
 
 # ---------------------------------------------------------------------- compile
@@ -178,6 +237,12 @@ def run_perplexity(args: argparse.Namespace, sink: list[dict[str, Any]]) -> None
     fit = lm.pack_causal(
         tokenizer, minilm.read_texts(args.fit_texts), max_length=args.max_length, max_sequences=args.fit_sequences
     )
+    if args.e2e_steps:  # trained on the first 90 % of the fitting text, early-stopped on the rest
+        from kernelattn_core.cli.convert_decoder import _fitting_split
+
+        first, rest = _fitting_split(minilm.read_texts(args.fit_texts))
+        e2e_train = lm.pack_causal(tokenizer, first, max_length=args.max_length)
+        e2e_check = lm.pack_causal(tokenizer, rest, max_length=args.max_length, max_sequences=8)
     base = lm.perplexity(teacher, held_out)
     emit({"measure": "perplexity", "model": "teacher", "held_out_perplexity": base}, sink)
     for name in args.estimators:
@@ -186,6 +251,20 @@ def run_perplexity(args: argparse.Namespace, sink: list[dict[str, Any]]) -> None
         before = lm.perplexity(student, held_out)
         report = ka.distill_attention(student, teacher, [fit], steps=args.steps, lr=args.lr, rows=128, progress=False)
         after = lm.perplexity(student, held_out)
+        e2e: dict[str, Any] = {}
+        if args.e2e_steps:  # stage 2 (Hedgehog / LoLCATs): the whole model on the teacher's next-token distribution
+            tuned = lm.finetune_causal_lm(
+                student, teacher, e2e_train, validation=e2e_check, steps=args.e2e_steps, lr=args.e2e_lr,
+                lora_rank=args.lora_rank, progress=False,
+            )  # fmt: skip
+            e2e = {
+                "held_out_perplexity_stage1": after,
+                "e2e_steps": args.e2e_steps,
+                "lora_rank": args.lora_rank,
+                "e2e_best_step": tuned.best_step,
+                "e2e_seconds": tuned.seconds,
+            }
+            after = lm.perplexity(student, held_out)
         emit(
             {
                 "measure": "perplexity",
@@ -197,6 +276,7 @@ def run_perplexity(args: argparse.Namespace, sink: list[dict[str, Any]]) -> None
                 "fit_steps": args.steps,
                 "fit_seconds": report.seconds,
                 "seconds": time.perf_counter() - t0,
+                **e2e,
             },
             sink,
         )
@@ -211,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--estimators", nargs="+", default=list(STUDENTS))
+    p = sub.add_parser("profile")
+    p.add_argument("--context", type=int, default=16384)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--estimators", nargs="+", default=["prf", "hedgehog"])
     p = sub.add_parser("compile")
     p.add_argument("--estimators", nargs="+", default=["prf", "hedgehog"])
     p.add_argument("--batch", type=int, default=8)
@@ -224,11 +309,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-length", type=int, default=256)
     p.add_argument("--fit-sequences", type=int, default=None)
     p.add_argument("--fit-texts", default="fitting")
+    p.add_argument("--e2e-steps", type=int, default=0, help="end-to-end steps after the per-layer fit")
+    p.add_argument("--e2e-lr", type=float, default=1e-3)
+    p.add_argument("--lora-rank", type=int, default=0, help="q/k/v adapters of the end-to-end stage (0: none)")
     p.add_argument("--eval-texts", default="held-out")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     sink: list[dict[str, Any]] = []
-    {"decode": run_decode, "compile": run_compile, "perplexity": run_perplexity}[args.what](args, sink)
+    {"decode": run_decode, "profile": run_profile, "compile": run_compile, "perplexity": run_perplexity}[args.what](
+        args, sink
+    )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             fh.write("\n".join(json.dumps(r) for r in sink) + "\n")

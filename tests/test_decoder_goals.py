@@ -38,3 +38,15 @@ def test_decode_records_flat_state_memory_and_a_growing_kv_cache() -> None:
             size[(name, 80)] == size[(name, 128)] > 0
         )  # the same state whatever the context (beyond the window of 64)
         assert size[(name, 128)] < size[(original, 128)]
+
+
+def test_profile_counts_one_attention_call_per_layer_and_token() -> None:
+    goals = load_script()
+    sink: list[dict] = []
+    args = argparse.Namespace(context=24, tokens=3, top=400, estimators=["prf"])
+    goals.run_profile(args, sink)
+    calls = {r["function"].rsplit("(", 1)[-1].rstrip(")"): r["calls_per_token"] for r in sink}
+    # the teacher's architecture has 4 layers: each generated token runs each layer's attention once
+    assert calls["kernel_attention_forward"] == 4
+    assert calls["attend"] == 4  # on the layer's decoding state (KernelStateLayer.attend), never recomputed
+    assert all(0 < r["share"] <= 1 for r in sink)

@@ -10,6 +10,15 @@ output relative error on the evaluation texts (by default three genres that are 
 the fitting text), and the embedding cosine to the original by length bucket and on
 packed passages of 128 and 512 tokens (the headline: 512-token passages), with
 nearest-neighbour agreement and the Spearman correlation of the similarity matrices.
+
+A local decoder checkpoint (GPT-2, Llama, Mistral, Qwen2, ...: its ``config.json`` names
+a ``...ForCausalLM`` / ``...LMHeadModel`` architecture) is converted and fitted the same
+way (stage 1) and reported by held-out perplexity of the original and the converted model
+on each evaluation text (:mod:`kernelattn_core.cli.convert_decoder`); ``--save DIR``
+then writes ``save_pretrained`` output that ``kernelattn_core.convert.from_pretrained``
+reloads. The sentence-embedding options (``--sentences``, ``--passages``,
+``--allocate*``, ``--e2e-weight``, ``--e2e-length``, ``--e2e-batch``) are for encoders
+and refused for a decoder.
 """
 
 from __future__ import annotations
@@ -26,6 +35,30 @@ from typing import Any
 
 from ..errors import InputError, KernelAttnError
 from .output import table, to_json
+
+
+class _Given(argparse.Action):
+    """Store the value and remember that the option was given (``args.given``), so that an
+    option that means nothing for the model found is refused rather than ignored."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        setattr(namespace, self.dest, values)
+        given = set(getattr(namespace, "given", None) or ())
+        given.add(option_string)
+        namespace.given = given
+
+
+#: options that only mean something for an encoder (sentence embeddings, allocation, passages)
+ENCODER_ONLY = (
+    "--sentences",
+    "--passages",
+    "--allocate",
+    "--allocate-windows",
+    "--allocate-steps",
+    "--e2e-weight",
+    "--e2e-length",
+    "--e2e-batch",
+)
 
 COLUMNS = ("layer", "name", "output_rel_error", "fit_error_before", "fit_error_after", "fit_seconds")
 
@@ -60,7 +93,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", metavar="MODEL_DIR", help="local model folder, or 'minilm' for the shipped MiniLM")
+    p.add_argument(
+        "model",
+        metavar="MODEL_DIR",
+        help="local model folder (a BERT-family encoder or a causal decoder LM), or 'minilm' for the shipped MiniLM",
+    )
     p.add_argument("--estimator", required=True, metavar="NAME", help="registry name (kernelattn plugins)")
     p.add_argument("--budget", type=int, metavar="M", help="num_features of the estimator")
     p.add_argument("--window", type=int, metavar="W", help="window option of the estimator (sliding-window)")
@@ -87,42 +124,73 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--loss", choices=("ce", "mse"), default="ce")
     p.add_argument("--rows", type=int, default=128, help="query rows per fitting step")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-length", type=int, default=512, help="tokens per packed sequence (N)")
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="tokens per packed sequence (N; default 512 for an encoder; for a decoder the context its teacher.json "
+        "records, else 256)",
+    )
     p.add_argument("--fit-sequences", type=int, default=None, help="packed fitting sequences (default: all)")
-    p.add_argument("--eval-sequences", type=int, default=4, help="packed evaluation sequences")
-    p.add_argument("--sentences", type=int, default=256, help="evaluation sentences per text for the embedding figures")
-    p.add_argument("--passages", type=int, default=16, help="packed evaluation pieces per length and text (64-512)")
+    p.add_argument(
+        "--eval-sequences",
+        type=int,
+        default=None,
+        help="packed evaluation sequences per text (default 4 for an encoder; every one for a decoder)",
+    )
+    p.add_argument(
+        "--sentences",
+        type=int,
+        default=256,
+        action=_Given,
+        help="evaluation sentences per text for the embedding figures",
+    )
+    p.add_argument(
+        "--passages", type=int, default=16, action=_Given, help="packed evaluation pieces per length and text (64-512)"
+    )
     p.add_argument(
         "--allocate",
         type=int,
+        action=_Given,
         metavar="TOTAL",
         help="per layer, split TOTAL exact-plus-feature keys per query between --window and --budget by a brief fit "
         "of each --allocate-windows candidate, judged on a validation slice of the fitting text (sliding-window)",
     )
     p.add_argument(
-        "--allocate-windows", default="8,16,24,32,40", metavar="W,W,...", help="candidate windows of --allocate"
+        "--allocate-windows",
+        default="8,16,24,32,40",
+        action=_Given,
+        metavar="W,W,...",
+        help="candidate windows of --allocate",
     )
-    p.add_argument("--allocate-steps", type=int, default=150, help="steps of each candidate's brief fit")
+    p.add_argument("--allocate-steps", type=int, default=150, action=_Given, help="steps of each candidate's brief fit")
     p.add_argument("--e2e-steps", type=int, default=0, help="end-to-end steps after the per-layer fit (0: no stage 2)")
     p.add_argument("--e2e-lr", type=float, default=2e-3, help="learning rate of the end-to-end stage")
     p.add_argument(
         "--e2e-length",
         default=None,
+        action=_Given,
         metavar="N[,N...]",
         help="tokens per end-to-end passage; several lengths are taken in turn (default --max-length)",
     )
     p.add_argument(
         "--e2e-weight",
         type=float,
+        action=_Given,
         default=10.0,
         help="weight of the sentence-embedding cosine term against the hidden-state term (end-to-end)",
     )
-    p.add_argument("--e2e-batch", type=int, default=1, help="passages per end-to-end step")
+    p.add_argument("--e2e-batch", type=int, default=1, action=_Given, help="passages per end-to-end step")
     p.add_argument("--lora-rank", type=int, default=0, help="rank of q/k/v adapters in the end-to-end stage (0: none)")
     p.add_argument("--anchor", type=float, default=1e-3, help="pull of the end-to-end stage towards its start (L2-SP)")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--save", metavar="FILE", help="save the converted model's state_dict (torch.save)")
+    p.add_argument(
+        "--save",
+        metavar="FILE|DIR",
+        help="encoder: save the converted model's state_dict to FILE (torch.save); decoder: save_pretrained into "
+        "DIR (with the tokenizer), which kernelattn_core.convert.from_pretrained reloads",
+    )
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--output", metavar="FILE", help="write the report here instead of stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -277,9 +345,9 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     if not math.isfinite(args.lr) or args.lr <= 0:
         raise InputError(f"--lr: expected a positive finite learning rate, got {args.lr}")
     _check_count("--rows", args.rows, 1)
-    _check_count("--max-length", args.max_length, 3)
+    _check_count("--max-length", args.max_length, 3, none_ok=True)
     _check_count("--fit-sequences", args.fit_sequences, 1, none_ok=True)
-    _check_count("--eval-sequences", args.eval_sequences, 1)
+    _check_count("--eval-sequences", args.eval_sequences, 1, none_ok=True)
     _check_count("--sentences", args.sentences, 1)
     _check_count("--passages", args.passages, 1)
     _check_count("--e2e-steps", args.e2e_steps, 0)
@@ -294,7 +362,7 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
                 f"--allocate-windows: no window of {windows} leaves features within --allocate {args.allocate}"
             )
     _check_count("--e2e-batch", args.e2e_batch, 1)
-    lengths = _lengths(args.e2e_length, args.max_length)
+    lengths = _lengths(args.e2e_length, args.max_length or 512)
     if not math.isfinite(args.e2e_weight) or args.e2e_weight < 0:
         raise InputError(f"--e2e-weight: expected a finite number >= 0, got {args.e2e_weight}")
     _check_count("--lora-rank", args.lora_rank, 0)
@@ -303,9 +371,17 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     if not math.isfinite(args.anchor) or args.anchor < 0:
         raise InputError(f"--anchor: expected a finite number >= 0, got {args.anchor}")
     _check_output_path("--output", args.output)
-    _check_output_path("--save", args.save)
     device = _check_device(args.device)
     path, config = _model_config(args.model)
+    from . import convert_decoder
+
+    if convert_decoder.is_decoder_config(config):  # a causal LM: held-out perplexity, save_pretrained
+        return convert_decoder.validate(args, options, device, path, config)
+    _check_output_path("--save", args.save)
+    if args.max_length is None:
+        args.max_length = 512
+    if args.eval_sequences is None:
+        args.eval_sequences = 4
     longest = config.get("max_position_embeddings")
     if isinstance(longest, int) and args.max_length > longest:
         raise InputError(f"--max-length: the model takes at most {longest} positions, got {args.max_length}")
@@ -347,6 +423,10 @@ def run(args: argparse.Namespace) -> int:
     from .progress import progress_wanted
 
     checked = validate(args)  # every argument, before any work
+    if checked.get("decoder"):
+        from .convert_decoder import run as run_decoder
+
+        return run_decoder(args, checked)
     options, device = checked["options"], checked["device"]
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
     torch.manual_seed(args.seed)

@@ -113,7 +113,9 @@ def train_teacher(
     Each step takes ``batch_size`` random windows of ``context + 1`` bytes of the text
     (AdamW, ``lr`` with a linear warm-up over the first 5 % of the steps and a cosine decay
     to 10 %, weight decay 0.1, gradient clipping at 1). The number of steps is ``steps``,
-    or as many as fit in ``minutes`` (measured on the first steps), whichever is smaller.
+    or as many as fit in ``minutes``, whichever is smaller; the number is re-estimated
+    every 5 steps from the pace of the last 20, so the schedule (warm-up, cosine decay)
+    ends with the time budget even when the machine's load changes during the run.
 
     Returns
     -------
@@ -135,11 +137,15 @@ def train_teacher(
     losses: list[float] = []
     start = time.perf_counter()
     step = 0
+    marks: list[float] = []  # when each of the last steps started
     while step < total:
-        if step == 5 and steps is None:  # as many steps as fit in the time budget
-            per_step = (time.perf_counter() - start) / 5
-            total = max(6, int(budget / per_step))
         elapsed = time.perf_counter() - start
+        marks = [*marks[-20:], elapsed]
+        if step >= 5 and step % 5 == 0 and math.isfinite(budget):  # as many steps as fit in the time budget,
+            # at the pace of the last (up to) 20 steps: on a shared machine the pace changes during the run
+            pace = (marks[-1] - marks[0]) / (len(marks) - 1)
+            fits = step + int(max(0.0, budget - elapsed) / max(pace, 1e-9))
+            total = max(step + 1, fits if steps is None else min(steps, fits))
         if elapsed > budget:
             break
         warm = max(1, total // 20)
@@ -190,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fit-texts", default="fitting", help="training text: a file, 'fitting' or 'shipped'")
     parser.add_argument("--eval-texts", default="held-out", help="evaluation text: a file or 'held-out'")
+    parser.add_argument(
+        "--progress", action="store_true", help="a line on stderr every 20 steps (default: only on a terminal)"
+    )
     args = parser.parse_args(argv)
     from ..workloads import minilm
 
@@ -205,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         lr=args.lr,
         seed=args.seed,
         eval_text=minilm.read_texts(args.eval_texts),
+        progress=True if args.progress else None,
     )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
