@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Iterable
@@ -34,6 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError, KernelAttnError
+from .convert_shared import (  # noqa: F401  (re-exported: tests and plugins read them here)
+    _SPECIAL_TEXTS,
+    ENCODER_ONLY,
+    _check_output_path,
+    _one_line,
+    _read_texts,
+    _share,
+)
 from .output import table, to_json
 
 
@@ -49,16 +56,6 @@ class _Given(argparse.Action):
 
 
 #: options that only mean something for an encoder (sentence embeddings, allocation, passages)
-ENCODER_ONLY = (
-    "--sentences",
-    "--passages",
-    "--allocate",
-    "--allocate-windows",
-    "--allocate-steps",
-    "--e2e-weight",
-    "--e2e-length",
-    "--e2e-batch",
-)
 
 COLUMNS = ("layer", "name", "output_rel_error", "fit_error_before", "fit_error_after", "fit_seconds")
 
@@ -208,9 +205,6 @@ def estimator_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-_SPECIAL_TEXTS = ("shipped", "held-out", "fitting", "legal", "narrative")
-
-
 def _worst(values: Iterable[Any]) -> float:
     """The smallest of the texts' figures, NaN (a text without passages of that length)
     skipped whatever its place; NaN when no text has the figure."""
@@ -218,61 +212,11 @@ def _worst(values: Iterable[Any]) -> float:
     return min(found) if found else math.nan
 
 
-def _share(share: float) -> str:
-    """A share for a warning: never "0%" for a positive share (a few boilerplate sentences
-    of a long text round to 0% at two digits)."""
-    return f"{share:.1%}" if share >= 1e-3 else "under 0.1%"
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
 def _check_count(flag: str, value: int | None, minimum: int, *, none_ok: bool = False) -> None:
     if value is None and none_ok:
         return
     if value is None or value < minimum:
         raise InputError(f"{flag}: expected an integer >= {minimum}, got {value}")
-
-
-def _check_output_path(flag: str, path: str | None) -> None:
-    """A file that can be written: not a folder, in a folder that exists and is writable
-    (checked before any work, not after the whole fit)."""
-    if path is None:
-        return
-    target = Path(path)
-    if target.is_dir():
-        raise InputError(f"{flag}: expected a file name, got the folder {path!r}")
-    folder = target.parent if str(target.parent) else Path(".")
-    if not folder.is_dir():
-        raise InputError(f"{flag}: the folder {str(folder)!r} of {path!r} does not exist (create it first)")
-    if not os.access(folder, os.W_OK):
-        raise InputError(f"{flag}: the folder {str(folder)!r} of {path!r} is not writable")
-
-
-def _read_texts(flag: str, source: str) -> str:
-    """The text of ``--fit-texts`` / ``--eval-texts``: a special name, or a UTF-8 file
-    with some text in it."""
-    from ..workloads import minilm
-
-    if source in _SPECIAL_TEXTS:
-        return minilm.read_texts(source)
-    path = Path(source)
-    if not path.is_file():
-        raise InputError(f"{flag}: expected a readable text file or one of {list(_SPECIAL_TEXTS)}, got {source!r}")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InputError(
-            f"{flag}: {source!r} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}); "
-            "convert it to UTF-8"
-        ) from None
-    except OSError as exc:
-        raise InputError(f"{flag}: cannot read {source!r}: {_one_line(exc)}") from None
-    if not text.strip():
-        raise InputError(f"{flag}: {source!r} holds no text")
-    return text
 
 
 def _check_device(name: str) -> Any:

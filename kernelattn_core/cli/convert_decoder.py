@@ -88,7 +88,7 @@ def validate(
     256, capped at the model's positions) and ``args.eval_sequences`` (default: all)."""
     from ..convert import _check_options
     from ..module import build_estimator
-    from .convert_cmd import ENCODER_ONLY, _check_output_path, _read_texts
+    from .convert_shared import ENCODER_ONLY, _check_output_path, _read_texts
 
     arch = (config.get("architectures") or [config.get("model_type")])[0]
     for flag in ENCODER_ONLY:
@@ -133,7 +133,7 @@ def validate(
         try:  # the options, as the first converted layer will build them
             est = build_estimator(args.estimator, head_dim, heads, options)
         except TypeError as exc:
-            from .convert_cmd import _one_line
+            from .convert_shared import _one_line
 
             raise InputError(f"--option: {_one_line(exc)}") from None
         if not getattr(est, "supports_causal", True):
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace, checked: dict[str, Any]) -> int:
 
     from ..convert import convert_attention, distill_attention, lm
     from ..workloads import minilm
-    from .convert_cmd import _one_line, _share
+    from .convert_shared import _one_line, _share
     from .progress import progress_wanted
 
     options, device, path = checked["options"], checked["device"], checked["model"]
