@@ -31,10 +31,14 @@ PLUGINS = sorted(str(p) for p in (ROOT / "plugins").glob("kernelattn-*") if (p /
 TUTORIAL = str(ROOT / "docs" / "tutorial" / "kernelattn-example")
 
 
-def install_all(session: nox.Session, *extra: str) -> None:
-    """torch pinned, then the core and every plugin (with their test extras)."""
+def install_all(session: nox.Session, extras: str = "") -> None:
+    """torch pinned, then the core and every plugin (with their test extras); ``extras``:
+    more extras of the core (``"docs"``, ``"plot,cli"``), in the same requirement: pip
+    does not merge the extras of one project named twice (``ROOT[test] ROOT[docs]``
+    installed no Sphinx in a fresh-clone CI run)."""
     session.install(TORCH)
-    session.install(f"{ROOT}[test]", *(f"{p}[test]" for p in PLUGINS), *extra)
+    core = f"{ROOT}[test,{extras}]" if extras else f"{ROOT}[test]"
+    session.install(core, *(f"{p}[test]" for p in PLUGINS))
 
 
 @nox.session
@@ -63,7 +67,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def docs(session: nox.Session) -> None:
     """Build the Sphinx docs with warnings as errors."""
-    install_all(session, f"{ROOT}[docs]")
+    install_all(session, "docs")
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html", *session.posargs)
     session.run("python", "docs/check_offline.py", "docs/_build/html")  # MathJax is bundled: no CDN
 
@@ -106,7 +110,7 @@ def tasks(session: nox.Session) -> None:
 
     ``-- --preset seeds`` (or ``zoology``) runs one preset only; results, tables and
     figures go to ``docs/_static/tasks/``."""
-    install_all(session, f"{ROOT}[plot,cli]")
+    install_all(session, "plot,cli")
     out = ROOT / "docs" / "_static" / "tasks"
     presets = [a.split("=", 1)[1] for a in session.posargs if a.startswith("--preset=")] or ["seeds", "zoology"]
     for preset in presets:
@@ -132,6 +136,6 @@ def demo(session: nox.Session) -> None:
     """Install the core (with plots, rich progress and the shipped MiniLM) and all plugins, then the
     compare demo on real attention: first rows within a minute, a summary and ``compare.png`` within
     three (``-- --all``: the full synthetic sweep)."""
-    install_all(session, f"{ROOT}[plot,cli,hf]")
+    install_all(session, "plot,cli,hf")
     session.run("kernelattn", "plugins")
     session.run("kernelattn", "compare", "--plot", "compare.png", "--output", "compare.csv", *session.posargs)
