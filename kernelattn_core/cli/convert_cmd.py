@@ -40,6 +40,7 @@ from .convert_shared import (  # noqa: F401  (re-exported: tests and plugins rea
     _one_line,
     _read_texts,
     _share,
+    _stage,
 )
 from .output import table, to_json
 
@@ -348,12 +349,6 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
             raise InputError(f"--eval-texts: {source!r} holds no sentence of four words or more to embed")
         eval_texts[source] = text
     return {"options": options, "device": device, "model": path, "fit_text": fit_text, "eval_texts": eval_texts}
-
-
-def _stage(note: str, enabled: bool) -> None:
-    if enabled:
-        sys.stderr.write(note + "\n")
-        sys.stderr.flush()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError, KernelAttnError
+from .convert_shared import _stage
 from .output import table, to_json
 
 #: model types whose ``config.json`` is a causal LM even without an ``architectures`` entry
@@ -152,12 +153,6 @@ def validate(
         "fit_text": fit_text,
         "eval_texts": eval_texts,
     }
-
-
-def _stage(note: str, enabled: bool) -> None:
-    if enabled:
-        sys.stderr.write(note + "\n")
-        sys.stderr.flush()
 
 
 def _fitting_split(fit_text: str, share: float = 0.9) -> tuple[str, str]:

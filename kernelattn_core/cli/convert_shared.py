@@ -6,6 +6,7 @@ it and not each other)."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from ..errors import InputError
@@ -73,3 +74,10 @@ def _read_texts(flag: str, source: str) -> str:
     if not text.strip():
         raise InputError(f"{flag}: {source!r} holds no text")
     return text
+
+
+def _stage(note: str, enabled: bool) -> None:
+    """A stage of the conversion announced on stderr (when ``enabled``)."""
+    if enabled:
+        sys.stderr.write(note + "\n")
+        sys.stderr.flush()
