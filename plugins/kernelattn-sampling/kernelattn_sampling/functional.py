@@ -175,16 +175,38 @@ def draw_normal(shape: tuple[int, ...], like: torch.Tensor, generator: torch.Gen
 def draw_indices(probs: torch.Tensor, samples: int, generator: torch.Generator | None) -> torch.Tensor:
     """Categorical indices ``[..., samples]`` from the rows of ``probs [..., M]``.
 
+    Inverse-CDF draws: with :math:`c_i = \\sum_{j \\le i} p_j` (float64) and
+    :math:`u \\sim U[0, 1)`, the index is the first :math:`i` with :math:`c_i > u\\, c_{M-1}`, so
+    :math:`P(i) = p_i / \\sum_j p_j` and a zero-probability key is never drawn (a draw that
+    rounding puts past the end goes to the first index where the sum is complete, a
+    positive entry). Two passes over the rows (the float64 copy and its ``cumsum``) and one
+    ``searchsorted``: ``torch.multinomial`` spends an exponential draw, an ``abs`` and an
+    ``argmax`` on every element (the RA layer of the task benchmarks, ``[8192, 128]`` rows,
+    1 thread: 74.7 -> 55 ms per forward and backward).
+
     Rows of zeros (no allowed key) draw uniformly; their outputs are zeroed later.
     """
     *lead, m = probs.shape
-    flat = probs.detach().reshape(-1, m).to(torch.float64)
+    cdf = probs.detach().reshape(-1, m).to(torch.float64).cumsum(-1)  # [rows, M]: non-decreasing (p >= 0)
+    total = cdf[:, -1:]  # [rows, 1]: not finite iff the row holds a non-finite entry
     # rows with no allowed key, or that see a non-finite key (their output is NaN anyway)
-    empty = (flat.sum(-1, keepdim=True) <= 0) | ~torch.isfinite(flat).all(-1, keepdim=True)
-    flat = torch.where(empty, torch.ones_like(flat), flat)
-    device = generator.device if generator is not None else flat.device
-    idx = torch.multinomial(flat.to(device), samples, replacement=True, generator=generator)  # [rows, S]
+    empty = ~(torch.isfinite(total) & (total > 0))
+    device = generator.device if generator is not None else cdf.device
+    u = torch.rand(cdf.shape[0], samples, generator=generator, device=device, dtype=torch.float64).to(cdf.device)
+    idx = torch.where(empty, (u * m).long().clamp_max(m - 1), inverse_cdf(cdf, u))
     return idx.to(probs.device).reshape(*lead, samples)
+
+
+def inverse_cdf(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Indices ``[..., S]``: for each uniform ``u [..., S]`` in ``[0, 1)`` the first ``i``
+    with :math:`c_i > u\\, c_{M-1}` in ``cdf [..., M]`` (a cumulative sum of non-negative
+    weights), so :math:`P(i) = p_i / \\sum_j p_j` and a zero weight is never picked. A
+    product that rounds up to the total (``u`` within ``2^{-53}`` of 1) would fall past
+    the end; it takes the first index at which the sum is complete instead, a positive
+    entry (clamping to ``M - 1`` could pick a masked or future key of zero weight)."""
+    total = cdf[..., -1:].contiguous()
+    idx = torch.searchsorted(cdf, u * total, right=True)
+    return torch.where(idx >= cdf.shape[-1], torch.searchsorted(cdf, total), idx)
 
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -339,5 +361,4 @@ def counter_indices(probs: torch.Tensor, samples: int, seed: int, stream: int) -
     of position-addressed uniforms."""
     cdf = probs.detach().to(torch.float64).cumsum(-1)  # [..., M]
     u = counter_uniform(seed, (*probs.shape[:-1], samples), stream, probs.device)  # [..., S]
-    idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)
-    return idx.clamp_max(probs.shape[-1] - 1)
+    return inverse_cdf(cdf, u).clamp_max(probs.shape[-1] - 1)  # a row of zeros gets index 0 (zeroed later)

@@ -117,6 +117,36 @@ def test_sampling_counter_draws_are_uniform_and_categorical_frequencies_match() 
     assert abs(float(z.mean())) < 6 / math.sqrt(2e5) and abs(float(z.var()) - 1) < 6 * math.sqrt(2 / 2e5)
 
 
+def test_sampling_draw_indices_frequencies_zero_weights_and_empty_rows() -> None:
+    """The training-time sampler (inverse CDF): chi-square against the probabilities, a
+    zero weight never drawn (trailing zeros as in a causal row), rows of zeros uniform."""
+    g = torch.Generator().manual_seed(3)
+    probs = torch.tensor([0.1, 0.0, 0.45, 0.25, 0.2, 0.0, 0.0], dtype=torch.float32).expand(2, 3000, 7)
+    idx = fn.draw_indices(probs, 4, g)
+    assert idx.shape == (2, 3000, 4) and idx.dtype == torch.long
+    counts = torch.bincount(idx.flatten(), minlength=7).double()
+    assert counts[1] == counts[5] == counts[6] == 0
+    expected = probs[0, 0].double() * idx.numel()
+    keep = expected > 0
+    chi2 = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    assert chi2 < 30  # 3 degrees of freedom: P(chi2 > 30) ~ 1e-6; a sampler off by 0.02 in one cell gives > 100
+    empty = torch.zeros(6000, 5)
+    empty[0, 0] = float("nan")  # a row that sees a non-finite key also draws uniformly
+    counts = torch.bincount(fn.draw_indices(empty, 1, g).flatten(), minlength=5).double()
+    assert float(((counts - 1200) ** 2 / 1200).sum()) < 30
+
+
+def test_sampling_inverse_cdf_never_picks_a_zero_weight_past_the_total() -> None:
+    """A uniform within 2^-53 of 1 makes ``u * total`` round to the total: the index is then
+    the last positive entry, not the trailing zero-weight (future) key a clamp would give."""
+    cdf = torch.tensor([[0.3, 0.3, 1.0, 1.0, 1.0]], dtype=D64)
+    u = torch.tensor([[1 - 2.0**-54, 0.0, 0.5]], dtype=D64)
+    assert float(u[0, 0] * cdf[0, -1]) == 1.0  # the rounding this guards against happens
+    assert fn.inverse_cdf(cdf, u).tolist() == [[2, 0, 2]]
+    naive = torch.searchsorted(cdf, u * cdf[..., -1:], right=True).clamp_max(4)
+    assert naive[0, 0] == 4  # negative control: the clamp picks a zero-weight key
+
+
 def test_sampling_ra_masks_and_causal_are_respected() -> None:
     q, k, v = _qkv(n=6, m=6)
     mask = torch.zeros(2, 6, dtype=torch.bool)
