@@ -475,8 +475,9 @@ def _run_parallel(
     publish: Callable[[dict[str, Any]], None],
 ) -> None:
     """Every (row, seed) of ``plan`` as one job of a pool of ``jobs`` processes (spawned: a
-    forked copy of a process whose OpenMP threads have started can hang). A row is published
-    when its last seed finishes; the progress bar advances by a run's steps when it ends."""
+    forked copy of a process whose OpenMP threads have started can hang), submitted longest
+    first (by steps). A row is published when its last seed finishes; the progress bar
+    advances by a run's steps when it ends."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -488,15 +489,19 @@ def _run_parallel(
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads,)) as pool:
         futures = {}
-        for i, (task, name, budget, config) in enumerate(plan):
+        for task, name, budget, config in plan:
             record = _new_record(task, name, budget, config, seeds, scale)
             rows.append(record)
             results.append({})
             if record["error"] is not None:
                 publish(record)
+        # longest runs first (by steps; the plan's order among equals), so that the pool does
+        # not end on one long run while the other workers idle
+        for i in sorted(range(len(plan)), key=lambda i: -plan[i][3].steps):
+            if rows[i]["error"] is not None:
                 continue
             for seed in seeds:
-                args = (task.name, _registry_name(name), config, scale, seed, record["options"])
+                args = (plan[i][0].name, _registry_name(plan[i][1]), plan[i][3], scale, seed, rows[i]["options"])
                 futures[pool.submit(_train_in_worker, *args)] = (i, seed)
         for future in as_completed(futures):
             i, seed = futures[future]
