@@ -15,6 +15,7 @@ from kernelattn_core.tasks.run import (
     PRESETS,
     _relate,
     budget_options,
+    default_estimators,
     run_tasks,
     seeds_table,
 )
@@ -111,6 +112,25 @@ def test_sliding_window_spends_the_same_total_budget() -> None:
         assert both["num_features"] % 2 == 0
     assert budget_options("prf", 64, True) == {"num_features": 64}
     assert budget_options("elu", 64, True) == {}
+
+
+def test_every_budgeted_feature_map_gets_the_budget_as_its_feature_dimension() -> None:
+    """Equal budgets mean equal state widths: the cos/sin maps (rfa, gmm-rks), whose
+    ``num_features`` counts frequencies with two features each, get half as many."""
+    import kernelattn_core as ka
+
+    halved = set()
+    for name in default_estimators():
+        options = budget_options(name, 64, True)
+        fm = getattr(ka.create(name, **options), "feature_map", None)
+        if fm is None or "window" in options or not options:  # no feature map, split budget, no budget (elu)
+            continue
+        fm.build(32)
+        assert fm.feature_dim == 64, (name, options, fm.feature_dim)
+        if options["num_features"] == 32:
+            halved.add(name)
+    assert {"rfa", "gmm-rks"} <= halved, halved  # without the probe they would carry 128 features
+    assert budget_options("fastfood-prf", 16, True) == {"num_features": 16}  # refused size: the run reports it
 
 
 def test_seeds_table_has_the_papers_layout() -> None:

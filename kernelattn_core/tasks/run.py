@@ -17,14 +17,17 @@ the order they finish, with:
 * ``error``: why the row has no result (an estimator that cannot attend the way the task
   needs, or the exception a run raised).
 
-Budgets: the budget is what each query pays beyond its own key, ``num_features`` for
-feature maps and random-feature estimators (samples for ``ra``/``lara``, landmarks...).
-``sliding-window`` splits it between its exact window and its feature map
-(:func:`budget_options`), so that it is compared at the same total.
+Budgets: the budget is what each query pays beyond its own key: the feature dimension
+(the width of the causal state) for feature maps, so ``num_features`` for most of them and
+half of it for the maps whose ``num_features`` counts frequencies each giving a cosine and
+a sine feature (``rfa``, ``gmm-rks``); samples for ``lara``. ``sliding-window`` splits
+it between its exact window and its feature map (:func:`budget_options`), so that it is
+compared at the same total.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -222,23 +225,45 @@ def has_budget(name: str) -> bool:
     return bool(getattr(cls, "has_budget", False)) and bool(getattr(cls, "linear", True))
 
 
-def budget_options(name: str, budget: int | None, causal: bool) -> dict[str, Any]:
+def budget_options(name: str, budget: int | None, causal: bool, head_dim: int = 32) -> dict[str, Any]:
     """The estimator options that spend ``budget`` per query.
 
-    ``num_features = budget`` for every budgeted estimator except ``sliding-window``, which
-    gets a window of ``budget // 4`` exact keys (causal; non-causal ``budget // 8`` on each
-    side, ``2w + 1`` keys) and the rest as features of its map (rounded down to even,
-    as the two-sided hedgehog map needs): the same total per query as a pure feature map.
+    ``num_features`` such that the feature dimension is ``budget`` (``budget // 2`` for a
+    map with two features per ``num_features``, :func:`features_per_unit`) for every
+    budgeted estimator except ``sliding-window``, which gets a window of ``budget // 4``
+    exact keys (causal; non-causal ``budget // 8`` on each side, ``2w + 1`` keys) and the
+    rest as features of its map (rounded down to even, as the two-sided hedgehog map
+    needs): the same total per query as a pure feature map.
     """
-    name = parse_spec(name)[0]
-    if budget is None or not has_budget(name):
+    base, spec_options = parse_spec(name)
+    if budget is None or not has_budget(base):
         return {}
-    if get_registry().get(name).name == "sliding-window":
+    if get_registry().get(base).name == "sliding-window":
         window = max(1, budget // 4) if causal else max(1, budget // 8)
         exact_keys = window if causal else 2 * window + 1
         features = max(2, (budget - exact_keys) // 2 * 2)
         return {"window": window, "num_features": features}
-    return {"num_features": budget}
+    per = features_per_unit(base, head_dim, budget, tuple(sorted(spec_options.items())))
+    return {"num_features": max(1, budget // per)}
+
+
+@functools.cache
+def features_per_unit(name: str, head_dim: int, num_features: int, options: tuple[tuple[str, Any], ...] = ()) -> int:
+    """Feature dimensions per unit of ``num_features`` of estimator ``name`` (with
+    ``options``) on heads of width ``head_dim``, probed by building its map with
+    ``num_features``: 2 for the cos/sin maps (``rfa``, ``gmm-rks``), 1 for the others, for
+    estimators without a feature map and where the map refuses the size (the row's run then
+    reports the refusal)."""
+    from ..api import create
+
+    try:
+        fm = getattr(create(name, **dict(options), num_features=num_features), "feature_map", None)
+        if fm is None:
+            return 1
+        fm.build(head_dim)
+    except Exception:  # an option the map refuses: the row's own run reports it
+        return 1
+    return max(1, int(fm.feature_dim) // num_features)
 
 
 def _summary_stats(values: Sequence[float]) -> tuple[float | None, float | None]:
@@ -378,12 +403,12 @@ def _new_record(
     task: Task, name: str, budget: int | None, config: TrainConfig, seeds: Sequence[int], scale: str
 ) -> dict[str, Any]:
     """The row of (``task``, ``name``, ``budget``) before training: its options, or the reason it cannot run."""
-    base, spec_options = parse_spec(name)
+    spec_options = parse_spec(name)[1]
     return {
         "task": task.name,
         "estimator": name,
         "budget": budget,
-        "options": {**budget_options(base, budget, task.causal), **spec_options},
+        "options": {**budget_options(name, budget, task.causal, config.d_model // config.num_heads), **spec_options},
         "scale": scale,
         "steps": config.steps,
         "seeds": list(seeds),
@@ -573,6 +598,7 @@ __all__ = [
     "budget_options",
     "cannot_run",
     "default_estimators",
+    "features_per_unit",
     "parse_spec",
     "run_tasks",
     "seeds_table",
