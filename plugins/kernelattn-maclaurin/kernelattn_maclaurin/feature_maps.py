@@ -399,17 +399,18 @@ class RandomMaclaurinFeatures(FeatureMap):
         omega = self.omega.to(dtype=x.dtype, device=x.device)
         weights = self.weights.to(dtype=x.dtype, device=x.device)
         proj = x @ omega.transpose(0, 1)  # [..., S]
+        groups = self.groups()
+        # one split (a single autograd node: its backward writes one gradient of proj) rather
+        # than a slice per degree, each of whose backward passes would fill a zero [..., S]
+        blocks = iter(torch.split(proj, [n * c for n, c in groups if n > 0], dim=-1))
         parts = []
         if self.mode == "released":
             parts.append(torch.ones_like(x[..., :1]))  # [..., 1] the constant feature
-        offset = 0
-        for n, c in self.groups():
+        for n, c in groups:
             if n == 0:
                 parts.append(torch.ones_like(x[..., :1]).expand(*x.shape[:-1], c))  # [..., c]
                 continue
-            block = proj[..., offset : offset + n * c].unflatten(-1, (n, c))  # [..., n, c]
-            parts.append(block.prod(-2))  # [..., c]
-            offset += n * c
+            parts.append(next(blocks).unflatten(-1, (n, c)).prod(-2))  # [..., n, c] -> [..., c]
         return torch.cat(parts, dim=-1) * weights  # [..., D]
 
     # ------------------------------------------------------------------ checks and diagnostics
