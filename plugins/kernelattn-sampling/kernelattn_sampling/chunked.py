@@ -83,8 +83,7 @@ def ra_blocked(
             idx = fn.draw_indices(probs, samples, generator)
         else:
             cdf = probs.detach().to(torch.float64).cumsum(-1)
-            idx = torch.searchsorted(cdf, u_all[:, :, i0:i1] * cdf[..., -1:], right=True)
-            idx = idx.clamp_max(probs.shape[-1] - 1)
+            idx = fn.inverse_cdf(cdf, u_all[:, :, i0:i1].contiguous()).clamp_max(probs.shape[-1] - 1)
         omega = qb.unsqueeze(3) + fn.gather_rows(kk, idx)  # [B, H, Q, S, d]
         if noise and noise_std != 0:
             eps = fn.draw_normal(tuple(omega.shape), omega, generator) if eps_all is None else eps_all[:, :, i0:i1]
