@@ -528,3 +528,49 @@ def test_autocast_does_not_change_the_engine_s_precision(causal: bool) -> None:
         results.append((out.float(), a.grad, b.grad, c.grad))
     for plain, autocast in zip(*results):
         torch.testing.assert_close(autocast, plain, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["prf", "hedgehog"])
+def test_a_single_group_holds_its_graph_and_equals_the_recomputing_backward(name: str) -> None:
+    """A causal training call that fits one group keeps the features' local graph from the
+    forward pass: its backward calls the map 0 times (several groups: once per group and
+    side), its gradients (inputs and the map's parameters) equal the recomputing path's,
+    and a second backward pass through a retained graph gives them again."""
+    est = ka.create(name, num_features=16, head_dim=8, seed=0).double().train()
+    fm = est.feature_map
+    q, k, v = _qkv(128, seed=5)
+    qs, ks = _inputs(est, q, k, _mask(128), True)
+    weight = torch.randn(2, 3, 128, 9, generator=torch.Generator().manual_seed(6), dtype=F64)
+    calls = {"n": 0}
+    raw = fm.raw_features
+
+    def counted(x, *, query):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        return raw(x, query=query)
+
+    fm.raw_features = counted  # type: ignore[method-assign]
+
+    def run(group: int) -> tuple[list[torch.Tensor], int]:
+        leaves = [t.clone().requires_grad_(True) for t in (qs, ks, v)]
+        for p in fm.parameters():
+            p.grad = None
+        num, den = grouped_feature_attention(
+            fm, *leaves, causal=True, key_padding_mask=_mask(128), group=group, chunk_size=32
+        )
+        loss = (torch.cat([num, den.unsqueeze(-1)], -1).nan_to_num() * weight).sum()
+        before = calls["n"]
+        loss.backward(retain_graph=True)
+        backward_calls = calls["n"] - before
+        first = [t.grad.clone() for t in leaves] + [p.grad.clone() for p in fm.parameters() if p.grad is not None]
+        loss.backward()  # again through the retained graph: the gradients double
+        for a, t in zip(first, leaves):
+            torch.testing.assert_close(t.grad, 2 * a, rtol=1e-12, atol=1e-12)
+        return first, backward_calls
+
+    held, held_calls = run(group=128)
+    recomputed, recomputed_calls = run(group=32)
+    assert held_calls == 0
+    assert recomputed_calls == 2 * 4  # q and k features of each of the 4 groups
+    assert len(held) == len(recomputed) == 3 + len([p for p in fm.parameters() if p.requires_grad])
+    for a, b in zip(held, recomputed):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)

@@ -40,7 +40,13 @@ space plus :math:`O((N / G) D d_v)`; every large temporary has the same size on 
 call, so the allocator reuses it (tensors above glibc's 32 MiB mmap threshold are fresh
 pages on every call, whose page faults made the one-shot form super-linear in ``N``).
 The price is computing the features twice (once forward, once backward), one
-``[N, d] x [d, D]`` product and an exponential per side.
+``[N, d] x [d, D]`` product and an exponential per side. Except for a causal training
+call of **one group** (a short sequence, ``N <= G``): its forward pass builds the group's
+local graph and holds it for the backward pass, which then recomputes nothing (the
+memory held is that one group's work space, the bound the grouping keeps anyway).
+Measured 2026-11-26 (``prf``, 64 features, B 32, H 2, N 128, d 32, one thread): one
+causal call's forward + backward 40.7 -> 33.9 ms, the task benchmarks' training step
+106 -> 98 ms.
 
 Second derivatives (``create_graph=True``, for gradient penalties) are supported for
 non-causal calls by a different route: that backward pass recomputes the one-shot path
@@ -257,15 +263,23 @@ def _leaf(x: torch.Tensor, g0: int, g1: int, grad: bool) -> torch.Tensor:
 
 
 def _local_grads(
-    outputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...], inputs: list[torch.Tensor]
+    outputs: tuple[torch.Tensor, ...],
+    grads: tuple[torch.Tensor, ...],
+    inputs: list[torch.Tensor],
+    retain: bool = False,
 ) -> list[torch.Tensor | None]:
     """Gradients of the local graph ``outputs`` (weighted by ``grads``) for ``inputs``;
-    ``None`` for an input no output depends on."""
+    ``None`` for an input no output depends on. ``retain`` keeps the graph (one held from
+    the forward pass, which a second backward pass needs again)."""
     pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
     wanted = [x for x in inputs if x.requires_grad]
     got: list[torch.Tensor | None] = [None] * len(wanted)
     if pairs and wanted:
-        got = list(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
+        got = list(
+            torch.autograd.grad(
+                [o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True, retain_graph=retain
+            )
+        )
     it = iter(got)
     return [next(it) if x.requires_grad else None for x in inputs]
 
@@ -304,11 +318,23 @@ class _GroupedCausal(torch.autograd.Function):
         rows = _Rows(call, b, h, n, v.shape[-1], q.device)
         states: list[CausalState | None] = []
         state = None
-        for g0, g1 in call.spans(n):
+        spans = call.spans(n)
+        # one group (a short sequence): its features' local graph is built now and held for
+        # the backward pass, which then does not recompute them (the memory is one group's,
+        # the bound the grouping keeps anyway); several groups: recomputed group by group
+        hold = call.keep and len(spans) == 1
+        ctx.held = None
+        for g0, g1 in spans:
             states.append(state)
-            prep = call.prepare(q[:, :, g0:g1], k[:, :, g0:g1], v[:, :, g0:g1], g0, g1, state)
+            if hold:
+                leaves = [_leaf(t, g0, g1, w) for t, w in zip((q, k, v), ctx.needs_input_grad[1:4])]
+                with torch.enable_grad(), call.replay(q.device):
+                    prep = call.prepare(*leaves, g0, g1, state)
+                ctx.held = (leaves, prep)
+            else:
+                prep = call.prepare(q[:, :, g0:g1], k[:, :, g0:g1], v[:, :, g0:g1], g0, g1, state)
             out, s_final = causal_linear_attention_forward(
-                prep.fq, prep.fk, prep.v1, prep.s0, prep.m, prep.m0, call.chunk
+                prep.fq.detach(), prep.fk.detach(), prep.v1.detach(), prep.s0.detach(), prep.m, prep.m0, call.chunk
             )
             num, den, state = finish_causal(out, s_final, prep, state)
             rows.put(g0, g1, num, den)
@@ -331,9 +357,12 @@ class _GroupedCausal(torch.autograd.Function):
         bars = _Bars(ctx, (q, k, v), len(params))
         s_bar = None  # gradient of the state leaving the current group
         for i, (g0, g1) in reversed(list(enumerate(call.spans(q.shape[2])))):
-            leaves = [_leaf(t, g0, g1, w) for t, w in zip((q, k, v), ctx.needs_input_grad[1:4])]
-            with torch.enable_grad(), call.replay(q.device):
-                prep = call.prepare(*leaves, g0, g1, ctx.states[i])
+            if ctx.held is not None:  # the one group's graph, built by the forward pass
+                leaves, prep = ctx.held
+            else:
+                leaves = [_leaf(t, g0, g1, w) for t, w in zip((q, k, v), ctx.needs_input_grad[1:4])]
+                with torch.enable_grad(), call.replay(q.device):
+                    prep = call.prepare(*leaves, g0, g1, ctx.states[i])
             bad = _bad_output_rows(num, den, g0, g1)  # NaN rows (poisoned) send no gradient back
             num_bar, den_bar, norm_parts = call.num_den_bars(out_bar, num, den, g0, g1, norm_params, bad)
             bars.add(call.n_map, norm_parts)
@@ -351,7 +380,9 @@ class _GroupedCausal(torch.autograd.Function):
                 o_bar,
                 s_bar,
             )
-            local = _local_grads((prep.fq, prep.fk, prep.v1), (fq_bar, fk_bar, v1_bar), [*leaves, *map_params])
+            local = _local_grads(
+                (prep.fq, prep.fk, prep.v1), (fq_bar, fk_bar, v1_bar), [*leaves, *map_params], ctx.held is not None
+            )
             for j in range(3):
                 bars.put(j, g0, g1, local[j])
             bars.add(0, local[3:])
