@@ -530,16 +530,17 @@ def test_autocast_does_not_change_the_engine_s_precision(causal: bool) -> None:
         torch.testing.assert_close(autocast, plain, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("name", ["prf", "hedgehog"])
-def test_a_single_group_holds_its_graph_and_equals_the_recomputing_backward(name: str) -> None:
-    """A causal training call that fits one group keeps the features' local graph from the
+def test_a_single_group_holds_its_graph_and_equals_the_recomputing_backward(name: str, causal: bool) -> None:
+    """A training call that fits one group keeps the features' local graph from the
     forward pass: its backward calls the map 0 times (several groups: once per group and
     side), its gradients (inputs and the map's parameters) equal the recomputing path's,
     and a second backward pass through a retained graph gives them again."""
     est = ka.create(name, num_features=16, head_dim=8, seed=0).double().train()
     fm = est.feature_map
     q, k, v = _qkv(128, seed=5)
-    qs, ks = _inputs(est, q, k, _mask(128), True)
+    qs, ks = _inputs(est, q, k, _mask(128), causal)
     weight = torch.randn(2, 3, 128, 9, generator=torch.Generator().manual_seed(6), dtype=F64)
     calls = {"n": 0}
     raw = fm.raw_features
@@ -555,7 +556,7 @@ def test_a_single_group_holds_its_graph_and_equals_the_recomputing_backward(name
         for p in fm.parameters():
             p.grad = None
         num, den = grouped_feature_attention(
-            fm, *leaves, causal=True, key_padding_mask=_mask(128), group=group, chunk_size=32
+            fm, *leaves, causal=causal, key_padding_mask=_mask(128), group=group, chunk_size=32
         )
         loss = (torch.cat([num, den.unsqueeze(-1)], -1).nan_to_num() * weight).sum()
         before = calls["n"]
@@ -570,7 +571,7 @@ def test_a_single_group_holds_its_graph_and_equals_the_recomputing_backward(name
     held, held_calls = run(group=128)
     recomputed, recomputed_calls = run(group=32)
     assert held_calls == 0
-    assert recomputed_calls == 2 * 4  # q and k features of each of the 4 groups
+    assert recomputed_calls == 2 * 4  # q and k features of each of the 4 groups (query and key groups)
     assert len(held) == len(recomputed) == 3 + len([p for p in fm.parameters() if p.requires_grad])
     for a, b in zip(held, recomputed):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)

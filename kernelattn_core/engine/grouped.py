@@ -40,13 +40,14 @@ space plus :math:`O((N / G) D d_v)`; every large temporary has the same size on 
 call, so the allocator reuses it (tensors above glibc's 32 MiB mmap threshold are fresh
 pages on every call, whose page faults made the one-shot form super-linear in ``N``).
 The price is computing the features twice (once forward, once backward), one
-``[N, d] x [d, D]`` product and an exponential per side. Except for a causal training
-call of **one group** (a short sequence, ``N <= G``): its forward pass builds the group's
-local graph and holds it for the backward pass, which then recomputes nothing (the
-memory held is that one group's work space, the bound the grouping keeps anyway).
-Measured 2026-11-26 (``prf``, 64 features, B 32, H 2, N 128, d 32, one thread): one
-causal call's forward + backward 40.7 -> 33.9 ms, the task benchmarks' training step
-106 -> 98 ms.
+``[N, d] x [d, D]`` product and an exponential per side. Except for a training call of
+**one group** (a short sequence, ``N <= G``; non-causal: one key group and one query
+group): its forward pass builds the group's local graphs and holds them for the backward
+pass, which then recomputes nothing (the memory held is that one group's work space, the
+bound the grouping keeps anyway). Measured 2026-11-26 (``prf``, 64 features, H 2, d 32,
+one thread): one causal call's forward + backward at B 32, N 128 40.7 -> 33.9 ms; the
+task benchmarks' training step 106 -> 98 ms (induction, causal) and 57.5 -> 51.0 ms
+(ListOps, non-causal).
 
 Second derivatives (``create_graph=True``, for gradient penalties) are supported for
 non-causal calls by a different route: that backward pass recomputes the one-shot path
@@ -400,8 +401,21 @@ class _GroupedNonCausal(torch.autograd.Function):
         z = torch.zeros(b, h, width, 1, dtype=call.dtype, device=q.device)  # sum of phi_k
         c_run = torch.full((b, h, 1, 1), float("-inf"), dtype=call.dtype, device=q.device)
         poisoned = None  # [B, H]: a head held a non-finite key (every query sees it)
+        # one key group and one query group (a short sequence): the features' local graphs
+        # are built now and held for the backward pass, which then recomputes nothing
+        hold = call.keep and len(call.spans(k.shape[2])) == 1 and len(call.spans(n)) == 1
+        ctx.held = None
+        if hold:
+            need = ctx.needs_input_grad[1:4]
+            ql, kl, vl = (_leaf(t, 0, t.shape[2], w) for t, w in zip((q, k, v), need))
+            with torch.enable_grad(), call.replay(q.device):
+                fq = query_side(call.features(ql, True), call.log_space)
+                fk, vg, c_new, bad = _key_group(call, kl, vl, 0, k.shape[2], c_run, grow=True)
+            ctx.held = (ql, fq, kl, vl, fk, vg)
         for g0, g1 in call.spans(k.shape[2]):
-            fk, vg, c_new, bad = _key_group(call, k[:, :, g0:g1], v[:, :, g0:g1], g0, g1, c_run, grow=True)
+            if not hold:
+                fk, vg, c_new, bad = _key_group(call, k[:, :, g0:g1], v[:, :, g0:g1], g0, g1, c_run, grow=True)
+            fk, vg = fk.detach(), vg.detach()
             if bad is not None:
                 poisoned = bad if poisoned is None else poisoned | bad
             if call.log_space:  # the sums so far, restated at the new maximum (factor <= 1)
@@ -413,7 +427,9 @@ class _GroupedNonCausal(torch.autograd.Function):
             z.add_(fk.sum(-2).unsqueeze(-1))
         rows = _Rows(call, b, h, n, dv, q.device)
         for g0, g1 in call.spans(n):
-            fq = query_side(call.features(q[:, :, g0:g1], True), call.log_space)  # [B, H, G, D]
+            if not hold:
+                fq = query_side(call.features(q[:, :, g0:g1], True), call.log_space)  # [B, H, G, D]
+            fq = fq.detach()
             num, den = fq @ s, (fq @ z).squeeze(-1)
             bad = non_finite_query_rows(den, poisoned)  # a non-finite query row, or a poisoned head
             if bad is not None:  # NaN, as the rows that see a non-finite value are
@@ -433,10 +449,14 @@ class _GroupedNonCausal(torch.autograd.Function):
         need_q, need_k, need_v = ctx.needs_input_grad[1:4]
         bars = _Bars(ctx, (q, k, v), len(params))
         s_bar, z_bar = torch.zeros_like(s), torch.zeros_like(z)
+        held = ctx.held is not None  # the one group's graphs, built by the forward pass
         for g0, g1 in call.spans(q.shape[2]):  # queries: S-bar, z-bar and the queries' gradients
-            leaf = _leaf(q, g0, g1, need_q)
             with torch.enable_grad(), call.replay(q.device):
-                fq = query_side(call.features(leaf, True), call.log_space)
+                if held:
+                    leaf, fq = ctx.held[0], ctx.held[1]
+                else:
+                    leaf = _leaf(q, g0, g1, need_q)
+                    fq = query_side(call.features(leaf, True), call.log_space)
                 bad = _bad_output_rows(num, den, g0, g1)  # NaN rows: quarantined as in the forward pass
                 if bad is not None:
                     fq = fq.masked_fill(bad.unsqueeze(-1), 0.0)
@@ -449,17 +469,20 @@ class _GroupedNonCausal(torch.autograd.Function):
             fq_bar = torch.baddbmm(
                 (den_bar * z.transpose(-1, -2)).flatten(0, 1), num_bar.flatten(0, 1), s.transpose(-1, -2).flatten(0, 1)
             ).view_as(fq)  # num-bar S^T + den-bar z^T
-            local = _local_grads((fq,), (fq_bar,), [leaf, *map_params])
+            local = _local_grads((fq,), (fq_bar,), [leaf, *map_params], held)
             bars.put(0, g0, g1, local[0])
             bars.add(0, local[1:])
         for g0, g1 in call.spans(k.shape[2]):  # keys and values
-            kl, vl = _leaf(k, g0, g1, need_k), _leaf(v, g0, g1, need_v)
-            with torch.enable_grad(), call.replay(q.device):
-                fk, vg, _, _ = _key_group(call, kl, vl, g0, g1, ctx.c, grow=False)
+            if held:
+                kl, vl, fk, vg = ctx.held[2:]
+            else:
+                kl, vl = _leaf(k, g0, g1, need_k), _leaf(v, g0, g1, need_v)
+                with torch.enable_grad(), call.replay(q.device):
+                    fk, vg, _, _ = _key_group(call, kl, vl, g0, g1, ctx.c, grow=False)
             fk_bar = torch.baddbmm(
                 z_bar.transpose(-1, -2).flatten(0, 1), vg.detach().flatten(0, 1), s_bar.transpose(-1, -2).flatten(0, 1)
             ).view_as(fk)  # v S-bar^T + z-bar^T (every row)
-            local = _local_grads((fk, vg), (fk_bar, fk.detach() @ s_bar), [kl, vl, *map_params])
+            local = _local_grads((fk, vg), (fk_bar, fk.detach() @ s_bar), [kl, vl, *map_params], held)
             bars.put(1, g0, g1, local[0])
             bars.put(2, g0, g1, local[1])
             bars.add(0, local[2:])
