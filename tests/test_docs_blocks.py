@@ -92,3 +92,67 @@ def test_page_code_blocks_run_as_pasted(page: Path, tmp_path: Path, monkeypatch:
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def cli_commands(text: str) -> list[tuple[int, str]]:
+    """``(line, command)`` of every ``kernelattn ...`` line inside an indented block of
+    ``text`` (console blocks with or without ``$``, literal blocks), ``\\`` continuations
+    joined."""
+    lines = text.split("\n")
+    found, i = [], 0
+    while i < len(lines):
+        m = re.match(r"^\s+(?:\$ )?(kernelattn\s.*)$", lines[i])
+        if not m:
+            i += 1
+            continue
+        start, command = i + 1, m.group(1)
+        while command.rstrip().endswith("\\") and i + 1 < len(lines):
+            i += 1
+            command = command.rstrip()[:-1] + " " + lines[i].strip()
+        found.append((start, command))
+        i += 1
+    return found
+
+
+COMMANDS = [(p, line, c) for p in PAGES for line, c in cli_commands(p.read_text("utf-8"))]
+
+
+def test_the_command_finder_joins_continuations() -> None:
+    text = (
+        "x\n\n   $ kernelattn convert m --budget 64 \\\n       --steps 4   # note\n"
+        "   kernelattn plugins\nkernelattn prose\n"
+    )
+    expected = [(3, "kernelattn convert m --budget 64  --steps 4   # note"), (5, "kernelattn plugins")]
+    assert cli_commands(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("page", "line", "command"), COMMANDS, ids=[f"{p.relative_to(DOCS).as_posix()}:{line}" for p, line, _ in COMMANDS]
+)
+def test_documented_commands_parse(page: Path, line: int, command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every ``kernelattn`` command the docs show is accepted by the command's parser (its
+    options exist and their values parse); running them is the commands' own tests' job
+    (some take minutes to hours)."""
+    import shlex
+
+    from kernelattn_core.cli.main import build_parser
+
+    argv = shlex.split(command, comments=True)[1:]
+    try:
+        args = build_parser(argv).parse_args(argv)
+    except SystemExit as exc:  # argparse's way of refusing
+        pytest.fail(f"{page.name}:{line}: {command!r} does not parse: {capsys.readouterr().err.strip()} ({exc})")
+    assert args.command == argv[0]
+
+
+def test_the_docs_show_commands_of_every_kind() -> None:
+    kinds = {c.split()[1] for _, _, c in COMMANDS}
+    assert {"compare", "tasks", "convert", "verify", "plugins"} <= kinds, kinds
+
+
+def test_a_command_with_an_unknown_option_does_not_parse() -> None:
+    """The negative control of the check above: argparse refuses what the CLI lacks."""
+    from kernelattn_core.cli.main import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser(["tasks", "--no-such-option"]).parse_args(["tasks", "--no-such-option"])
