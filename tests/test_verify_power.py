@@ -6,9 +6,10 @@ with ``+0.02`` added to every output element (an estimator converging to softmax
 plus 0.02) must fail the claim's limit test at full level, and the claim must print a
 ``min_detectable_limit_bias`` of at most 0.02. The claims themselves pass in
 ``kernelattn verify --level full``; this is their negative control at the size the issue
-names. A claim listed in :data:`SHORT` falls short of 0.02 for a stated reason: it must
-still fall short (else the list and the docs are out of date) and must catch the limit
-bias it is listed with. Marked ``formal``: about two minutes of CPU, run by ``nox -s formal``
+names. ``lara``'s claim, the one whose power fell short before (its proposals are capped
+at ``N``), is also run with other draw seeds at quick and full level: the honest
+estimator must pass them all (its false-failure rate is not a property of one seed).
+Marked ``formal``: about two minutes of CPU, run by ``nox -s formal``
 (``pytest -m formal tests/test_verify_power.py``), not by the default test run.
 """
 
@@ -42,18 +43,6 @@ def _offset(entry: Entry, offset: float) -> Entry:
     return Entry(f"{entry.name}[+{offset}]", entry.kind, cls, entry.plugin)
 
 
-#: claims whose power at full level falls short of 0.02, why (docs/spec/claims.rst), and
-#: the limit bias they do catch
-SHORT: dict[str, tuple[str, float]] = {
-    "lara": (
-        "LARA's proposals are capped at N: its claim runs 2 to 16 proposals at N = 16 with 400 rows each "
-        "(power 0.037); more power rejects the honest estimator, whose bias is no power law over these "
-        "budgets on every element: 1600 rows at N = 16 (power 0.019) give limit z 7.1 > 5.8 at order 0.4 "
-        "and 0.3, N = 64 with 4 or 8 to 64 proposals (power 0.010) limit z 7.7 at order 0.4, 9.1 at 0.5",
-        0.05,
-    ),
-}
-
 CASES = [pytest.param((e, c), id=f"{e.name}-{getattr(c, 'point', 0)}") for e, c in _at002()]
 
 
@@ -68,11 +57,38 @@ def test_at002_full_level_fails_a_limit_bias_of_0_02(case: tuple[Entry, Any]) ->
     sensitivity = {k: v for k, v in good.numbers.items() if k.startswith("min_detectable") or k.startswith("limit")}
     print(f"{entry.name} {dict(claim.options)}: {sensitivity}")  # the figures of docs/spec/claims.rst (pytest -s)
     assert good.verdict == "pass", good
-    offset = LIMIT_BIAS
-    if entry.name in SHORT:  # documented shortfall: it must still be one (else update SHORT and the docs)
-        why, offset = SHORT[entry.name]
-        assert LIMIT_BIAS < good.numbers["min_detectable_limit_bias"] <= offset, (why, good.numbers)
-    else:
-        assert good.numbers["min_detectable_limit_bias"] <= LIMIT_BIAS, good.numbers
-    bad = check_claim(_offset(entry, offset), claim, "full")
+    assert good.numbers["min_detectable_limit_bias"] <= LIMIT_BIAS, good.numbers
+    bad = check_claim(_offset(entry, LIMIT_BIAS), claim, "full")
     assert bad.verdict == "fail" and "limit" in bad.numbers.get("failed", []), bad.numbers
+
+
+#: draw seeds of the seed-robustness test (the shipped claim uses the first)
+DRAW_SEEDS = range(8)
+
+
+@pytest.mark.parametrize("level", ["quick", "full"])
+def test_lara_consistency_passes_with_other_draw_seeds(level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The honest ``lara`` passes its AT002 claim on the claim's own inputs whatever the
+    draws (8 draw seeds at each level), its limit statistics at least 0.5 below the
+    threshold; with 0.02 added it fails at every seed (the three ``lara`` cases of this
+    file: 72 s of wall time under a load of 7 on the shared two-core machine)."""
+    from kernelattn_core.verify import statistical
+
+    registry = ka.Registry(autoload=True)
+    entry = registry.get("lara")
+    (claim,) = [c for c in entry.cls.claims if c.rule == "AT002"]
+    inputs, base = statistical._attention_inputs, statistical.SEED
+    # the inputs stay those of the shipped claim (seed SEED + 1); only the draws move
+    monkeypatch.setattr(statistical, "_attention_inputs", lambda d, n, s, _seed: inputs(d, n, s, base + 1))
+    worst = 0.0
+    for seed in DRAW_SEEDS:
+        monkeypatch.setattr(statistical, "SEED", base + 1000 * seed)
+        good = check_claim(entry, claim, level)
+        assert good.verdict == "pass", (seed, good.numbers)
+        worst = max(worst, good.numbers["limit_bias_max_z"], good.numbers["limit_bias_mean_z"])
+        if level == "full":
+            assert good.numbers["min_detectable_limit_bias"] <= LIMIT_BIAS / 2, (seed, good.numbers)
+            bad = check_claim(_offset(entry, LIMIT_BIAS), claim, level)
+            assert bad.verdict == "fail" and "limit" in bad.numbers["failed"], (seed, bad.numbers)
+    print(f"lara AT002 at {level} level: largest limit z over {len(DRAW_SEEDS)} draw seeds {worst:.2f}")
+    assert worst < good.numbers["z_threshold"] - 0.5, worst
