@@ -146,8 +146,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         n: ("kernelattn_core.experiments", n)
         for n in ("Experiment", "add_output_arguments", "check_plot", "write_results")
     },
-    **{n: ("kernelattn_core.cli.measure", n) for n in ("median_time", "peak_memory")},
-    **{n: ("kernelattn_core.cli.plot", n) for n in ("boxplots", "grouped_bars", "line_panels")},
+    **{n: ("kernelattn_core.report.measure", n) for n in ("median_time", "peak_memory")},
+    **{n: ("kernelattn_core.report.plot", n) for n in ("boxplots", "grouped_bars", "line_panels")},
     # testing kit
     **{n: ("kernelattn_core.testing", n) for n in ("conformance_tests", "fuzz_tests")},
     "fuzz_tensors": ("kernelattn_core.testing.fuzz", "_tensors"),

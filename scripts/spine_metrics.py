@@ -52,15 +52,18 @@ PACKAGE = "kernelattn_core"
 #: layers of the core, lowest first: a module belongs to the first layer with a prefix of its
 #: dotted name (relative to ``kernelattn_core``; ``""`` is the package's ``__init__``)
 LAYERS: dict[str, tuple[str, ...]] = {
-    "base": ("errors", "validation", "hookspecs", "experiments"),
+    # report/ (tables, plots, progress, timing; formerly in cli/) imports nothing of the core
+    # above errors.py, and the library below the CLI (experiments, verify, tasks, convert)
+    # shows its results with it: it belongs at the bottom, beside the errors
+    "base": ("errors", "validation", "hookspecs", "experiments", "report"),
     "interfaces": ("interfaces", "redraw", "claims"),
     "engine": ("engine",),
     "registry/builtins": ("registry", "lookup", "builtins", "plugins"),
     "api/module": ("api", "module", "distributed", "testing", "verify", ""),
-    "convert/tasks/workloads": ("convert", "tasks", "workloads", "report"),
+    "convert/tasks/workloads": ("convert", "tasks", "workloads"),
     "cli": ("cli",),
-    # the published plugin toolkit re-exports names from every layer (the report helpers of
-    # cli/ included) and nothing in the core imports it: a leaf facade on top
+    # the published plugin toolkit re-exports names from every layer (the report helpers
+    # included) and nothing in the core imports it: a leaf facade on top
     "toolkit": ("toolkit",),
 }
 

@@ -28,8 +28,8 @@ M = importlib.util.module_from_spec(_spec)
 sys.modules["spine_metrics"] = M
 _spec.loader.exec_module(M)
 
-#: imports running back up the layers today (BEFORE: 14); lower it when one is removed
-MAX_UPWARD = 13
+#: imports running back up the layers today (BEFORE: 14; 13 before report/ left cli/); lower it when one is removed
+MAX_UPWARD = 4
 
 
 # ---------------------------------------------------------------------- plugin imports

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError, KernelAttnError
+from ..report.output import table, to_json
 from .convert_shared import _stage
-from .output import table, to_json
 
 #: model types whose ``config.json`` is a causal LM even without an ``architectures`` entry
 DECODER_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt_neox")
@@ -168,9 +168,9 @@ def run(args: argparse.Namespace, checked: dict[str, Any]) -> int:
     import torch
 
     from ..convert import convert_attention, distill_attention, lm
+    from ..report.progress import progress_wanted
     from ..workloads import minilm
     from .convert_shared import _one_line, _share
-    from .progress import progress_wanted
 
     options, device, path = checked["options"], checked["device"], checked["model"]
     fit_text, eval_texts = checked["fit_text"], checked["eval_texts"]

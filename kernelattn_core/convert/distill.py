@@ -257,7 +257,7 @@ class _Bar:
             self._rich.start()
             self._task = self._rich.add_task(label, total=total)
         except ImportError:  # pragma: no cover - rich is optional
-            from ..cli.progress import Progress as Plain
+            from ..report.progress import Progress as Plain
 
             self._plain = Plain(total, label).__enter__()
 

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", default="512,2048,4096,8192,16384", help="lengths of the attention timing")
     p.add_argument("--skip-models", action="store_true")
     args = p.parse_args(argv)
-    from ..cli.output import table
+    from ..report.output import table
 
     if not args.skip_models:
         rows = time_models(threads=tuple(int(t) for t in args.threads.split(",")), repeats=args.repeats)
