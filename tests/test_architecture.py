@@ -3,9 +3,8 @@
 
 * plugins (ours and the tutorial's) import only the top-level API and
   :mod:`kernelattn_core.toolkit`;
-* the core has no static import circle (module- and function-level imports) outside
-  ``convert/`` (whose circle is its owners' to break), and no more imports running back up
-  the layers than today;
+* the core has no static import circle (module- and function-level imports), and no more
+  imports run back up the layers than today;
 * every checker has a negative control on a synthetic source.
 
 Static analysis only (ast, no torch import in the checks): about 1 s.
@@ -89,12 +88,9 @@ def test_every_toolkit_name_resolves_and_is_public() -> None:
 
 
 # ---------------------------------------------------------------------- import graph
-def test_no_import_circle_in_the_core_outside_convert() -> None:
+def test_no_import_circle_in_the_core() -> None:
     circles = M.strongly_connected(M.import_graph(M.core_modules()))
-    outside = [c for c in circles if not all(m.startswith("kernelattn_core.convert") for m in c)]
-    assert outside == []
-    # convert/__init__ <-> decoder/distill: owned by the conversion work, not to grow
-    assert sum(len(c) for c in circles) <= 3
+    assert circles == []
 
 
 def test_imports_running_back_up_do_not_grow() -> None:

@@ -280,7 +280,7 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     nothing is fitted before an argument is refused): returns the estimator options, the
     device, the model folder and both texts. Each refusal is an
     :class:`~kernelattn_core.errors.InputError` of one line naming the argument."""
-    from ..convert import _check_options
+    from ..convert.attention import _check_options
     from ..module import build_estimator
 
     options = estimator_options(args)

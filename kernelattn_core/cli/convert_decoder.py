@@ -87,7 +87,7 @@ def validate(
     lengths checked against the model's positions, the estimator built once. Sets
     ``args.max_length`` (default: the ``context`` of the folder's ``teacher.json``, else
     256, capped at the model's positions) and ``args.eval_sequences`` (default: all)."""
-    from ..convert import _check_options
+    from ..convert.attention import _check_options
     from ..module import build_estimator
     from .convert_shared import ENCODER_ONLY, _check_output_path, _read_texts
 

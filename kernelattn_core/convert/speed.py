@@ -45,7 +45,7 @@ def time_models(
     """Forward time of the original MiniLM (``sdpa`` and ``eager``) and of its conversion
     with :data:`RECIPE`, on ``batch`` packed passages of ``length`` tokens."""
     from ..workloads import minilm
-    from . import convert_attention
+    from .attention import convert_attention
 
     eager, tok = minilm.load_model(attn_implementation="eager")
     sdpa, _ = minilm.load_model(attn_implementation="sdpa")
