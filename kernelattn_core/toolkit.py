@@ -101,13 +101,12 @@ _EXPORTS: dict[str, tuple[str, str]] = {
             "allowed_pairs",
             "feature_attention_naive",
             "isolated_pre",
-            "isolated_rows",
             "kernel_attention_naive",
-            "non_finite_rows",
             "poison_rows",
             "quarantine_non_finite",
         )
     },
+    **{n: ("kernelattn_core.validation", n) for n in ("isolated_rows", "non_finite_rows")},
     **{n: ("kernelattn_core.engine.torch_backend", n) for n in ("absorb_keys", "compute_dtype")},
     **{
         n: ("kernelattn_core.engine.backends", n)
