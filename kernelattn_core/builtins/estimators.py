@@ -407,7 +407,8 @@ class FeatureMapAttention(AttentionEstimator):
         fm = self.feature_map
         if not fm.built:
             self.redraw_policy.initial(fm, q.shape[-1])
-        self.redraw_policy.before_forward(fm, self.training)
+        if self.training and self.redraw_policy.every:  # else before_forward has nothing to advance
+            self.redraw_policy.before_forward(fm, self.training)
         # with root != 1, _attend_scaled made sure that prepare is the base class's no-op
         fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)
         problem = Problem(q.device, q.dtype, fm.log_space, causal, torch.is_grad_enabled())
