@@ -24,7 +24,7 @@ _LAZY = {
     "RowNormalizer": "builtins",
     "SignedRowNormalizer": "builtins",
     "SoftmaxKernel": "builtins",
-    "kernel_attention": "engine",
+    "kernel_attention": "api",
     "convert_attention": "convert",
     "distill_attention": "convert",
     "AttentionEstimator": "interfaces",
@@ -42,7 +42,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from .api import create, list_plugins
+    from .api import create, kernel_attention, list_plugins
     from .builtins import (
         EluFeatureMap,
         ExactAttention,
@@ -52,7 +52,6 @@ if TYPE_CHECKING:
         SoftmaxKernel,
     )
     from .convert import convert_attention, distill_attention
-    from .engine import kernel_attention
     from .interfaces import (
         AttentionEstimator,
         DotProductKernel,

@@ -40,14 +40,14 @@ class Experiment:
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags every experiment takes: ``--format {table,csv,json}``, ``--output FILE``, ``--plot FILE``."""
-    from .cli.output import add_output_arguments as add
+    from .report.output import add_output_arguments as add
 
     add(parser)
 
 
 def check_plot(args: argparse.Namespace) -> None:
     """Fail early (before the experiment runs) on a bad ``--plot`` path or missing matplotlib."""
-    from .cli.plot import check_plot_path
+    from .report.plot import check_plot_path
 
     check_plot_path(getattr(args, "plot", None))
 
@@ -77,7 +77,7 @@ def write_results(
     import json
     import sys
 
-    from .cli.output import emit, resolve_format
+    from .report.output import emit, resolve_format
 
     output = getattr(args, "output", None)
     fmt = resolve_format(getattr(args, "format", "table"), output)

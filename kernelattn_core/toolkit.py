@@ -101,13 +101,12 @@ _EXPORTS: dict[str, tuple[str, str]] = {
             "allowed_pairs",
             "feature_attention_naive",
             "isolated_pre",
-            "isolated_rows",
             "kernel_attention_naive",
-            "non_finite_rows",
             "poison_rows",
             "quarantine_non_finite",
         )
     },
+    **{n: ("kernelattn_core.validation", n) for n in ("isolated_rows", "non_finite_rows")},
     **{n: ("kernelattn_core.engine.torch_backend", n) for n in ("absorb_keys", "compute_dtype")},
     **{
         n: ("kernelattn_core.engine.backends", n)
@@ -146,8 +145,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         n: ("kernelattn_core.experiments", n)
         for n in ("Experiment", "add_output_arguments", "check_plot", "write_results")
     },
-    **{n: ("kernelattn_core.cli.measure", n) for n in ("median_time", "peak_memory")},
-    **{n: ("kernelattn_core.cli.plot", n) for n in ("boxplots", "grouped_bars", "line_panels")},
+    **{n: ("kernelattn_core.report.measure", n) for n in ("median_time", "peak_memory")},
+    **{n: ("kernelattn_core.report.plot", n) for n in ("boxplots", "grouped_bars", "line_panels")},
     # testing kit
     **{n: ("kernelattn_core.testing", n) for n in ("conformance_tests", "fuzz_tests")},
     "fuzz_tensors": ("kernelattn_core.testing.fuzz", "_tensors"),

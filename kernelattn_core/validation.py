@@ -7,7 +7,7 @@ the argument, what was expected and what came.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -145,3 +145,39 @@ def check_budget(name: str, value: object, per_unit: int = 1, what: str = "") ->
             f"got {name} = {value:,}{factor}: {need:,} values ({gib:.1f} GiB)"
         )
     return value
+
+
+# ---------------------------------------------------------------------- non-finite rows
+# Below the interfaces and the engine alike: a feature map keeps a non-finite input row
+# away from its own backward with isolated_rows, the engine's quarantine starts from
+# non_finite_rows (both re-exported by kernelattn_core.engine.naive, where they were).
+
+
+def non_finite_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """The rows ``[...]`` of ``x [..., n]`` holding NaN or inf, or ``None`` when every row
+    is finite. One reduction decides (a sum is finite unless some entry is not, or the
+    sum overflows, in which case the rows are checked); the common all-finite case costs
+    one pass over ``x`` and no copy. Under ``torch.compile`` the rows are returned always
+    (a tensor operation, no branch on the data): callers then mask unconditionally."""
+    if torch.compiler.is_compiling():  # no data-dependent branch: the rows, always
+        return ~torch.isfinite(x.detach()).all(-1)
+    if x.numel() == 0 or bool(torch.isfinite(x.detach().sum())):
+        return None
+    bad = ~torch.isfinite(x.detach()).all(-1)
+    return bad if bool(bad.any()) else None
+
+
+def isolated_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for a row-wise ``fn`` (``[..., n]`` to ``[..., n']``, each row from its own
+    row), with every non-finite row of ``x`` replaced by 0 before ``fn`` and its result row
+    set to NaN after.
+
+    The result is NaN where it would have been non-finite anyway, but ``fn``'s backward
+    pass never meets the NaN or inf: the row's gradient is exactly 0 (``fn``'s backward
+    would give :math:`0 \\cdot \\mathrm{NaN}`), and so is its share of the gradient of any
+    parameter ``fn`` holds (a learned feature map, a normaliser's ``post``)."""
+    bad = non_finite_rows(x)
+    if bad is None:
+        return fn(x)
+    bad = bad.unsqueeze(-1)
+    return fn(x.masked_fill(bad, 0.0)).masked_fill(bad, float("nan"))

@@ -6,14 +6,18 @@ Four figures, printed as a table (``--json`` prints one JSON object instead):
     The core's static import graph (``import``/``from ... import`` statements anywhere in a
     module: at module level and inside functions alike; imports under ``if TYPE_CHECKING:``
     are left out, they never run) and its strongly connected components of more than one
-    module: the import circles, with their files. An edge goes from a module to every
+    module: the import circles, with their files. ``importlib.import_module("kernelattn_core.x")``
+    with a literal name counts as an import too. An edge goes from a module to every
     project module it names: ``from .pkg import name`` names ``pkg.name`` when ``name`` is a
     submodule, else ``pkg`` (its ``__init__``, where ``name`` is defined). Goal: 0.
 
 ``upward``
     Imports "running back up": each module belongs to one layer of :data:`LAYERS` (lowest
     first); an import from a module to a module of a higher layer counts once per
-    (importer, imported) pair. Goal: <= 1.
+    (importer, imported) pair. Goal: <= 1. An old module path kept for users (listed in
+    :data:`ALIASES`: a module that only replaces itself in ``sys.modules`` by its new home)
+    is not counted: nothing in the core imports it (``tests/test_architecture.py`` checks
+    that, and that it imports nothing but its new home); the table lists them.
 
 ``trace``
     One ``kernel_attention(q, k, v, create("prf"), causal=True)`` forward (and forward +
@@ -52,16 +56,29 @@ PACKAGE = "kernelattn_core"
 #: layers of the core, lowest first: a module belongs to the first layer with a prefix of its
 #: dotted name (relative to ``kernelattn_core``; ``""`` is the package's ``__init__``)
 LAYERS: dict[str, tuple[str, ...]] = {
-    "base": ("errors", "validation", "hookspecs", "experiments"),
+    # report/ (tables, plots, progress, timing; formerly in cli/) imports nothing of the core
+    # above errors.py, and the library below the CLI (experiments, verify, tasks, convert)
+    # shows its results with it: it belongs at the bottom, beside the errors
+    "base": ("errors", "validation", "hookspecs", "experiments", "report"),
     "interfaces": ("interfaces", "redraw", "claims"),
     "engine": ("engine",),
     "registry/builtins": ("registry", "lookup", "builtins", "plugins"),
     "api/module": ("api", "module", "distributed", "testing", "verify", ""),
-    "convert/tasks/workloads": ("convert", "tasks", "workloads", "report"),
+    "convert/tasks/workloads": ("convert", "tasks", "workloads"),
     "cli": ("cli",),
-    # the published plugin toolkit re-exports names from every layer (the report helpers of
-    # cli/ included) and nothing in the core imports it: a leaf facade on top
+    # the published plugin toolkit re-exports names from every layer (the report helpers
+    # included) and nothing in the core imports it: a leaf facade on top
     "toolkit": ("toolkit",),
+}
+
+#: old module paths kept for users and plugins of the published docs (relative to
+#: ``kernelattn_core``) -> the module each one stands for now (issue 27). Each is a module
+#: whose body is ``sys.modules[__name__] = import_module(<new home>)``: importing the old
+#: path gives the new module itself. Their one import (up, for ``engine.*``) is not counted.
+ALIASES: dict[str, str] = {
+    "engine.api": "api",  # kernel_attention beside create (deprecated: warns)
+    "engine.distributed": "distributed",  # sequence-parallel attention, a client of the estimators
+    "claims.targets": "verify.targets",  # measured_targets builds estimators from names
 }
 
 #: what a plugin may import: the top-level API and the published toolkit
@@ -114,6 +131,13 @@ def imported_names(source: str, module: str, is_package: bool) -> list[tuple[str
             else:
                 target = node.module or ""
             out.append((target, [a.name for a in node.names], node.lineno))
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+            first = node.args[0]
+            if called == "import_module" and isinstance(first, ast.Constant) and isinstance(first.value, str):
+                if not first.value.startswith("."):  # a literal absolute name: an import like any other
+                    out.append((first.value, [], node.lineno))
     return out
 
 
@@ -193,8 +217,16 @@ def layer_of(module: str) -> int:
     return best
 
 
+def _alias_edge(a: str, b: str) -> bool:
+    """Whether ``a -> b`` is an old path (:data:`ALIASES`) resolving to its new home."""
+    rel = a[len(PACKAGE) + 1 :]
+    return rel in ALIASES and b == f"{PACKAGE}.{ALIASES[rel]}"
+
+
 def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
-    return sorted((a, b) for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a))
+    return sorted(
+        (a, b) for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a) and not _alias_edge(a, b)
+    )
 
 
 def classify_imports(source: str, label: str) -> list[dict[str, object]]:
@@ -302,6 +334,7 @@ def measure(trace: bool = True) -> dict[str, object]:
         "circles": [[str(modules[m].relative_to(ROOT)) for m in comp] for comp in circles],
         "circle_files": sum(len(c) for c in circles),
         "upward": [f"{a} -> {b}" for a, b in upward],
+        "aliases": [f"{PACKAGE}.{old} -> {PACKAGE}.{new}" for old, new in ALIASES.items()],
         "plugin_imports": len(imports),
         "plugin_imports_unpublished": [f"{i['file']}:{i['line']} {i['module']}" for i in imports if not i["published"]],
         "plugin_imports_internal": [
@@ -319,6 +352,7 @@ def table(result: dict[str, object]) -> str:
         ("import circles (SCCs > 1 module)", len(result["circles"]), "0"),
         ("files in circles", result["circle_files"], "0"),
         ("imports running back up", len(result["upward"]), "<= 1"),
+        ("  old paths kept (aliases, not counted)", len(result["aliases"]), ""),
     ]
     for key, label in (("forward", "prf causal forward"), ("forward_backward", "prf causal forward+backward")):
         if key in result:
@@ -341,6 +375,8 @@ def table(result: dict[str, object]) -> str:
         lines.append(f"circle ({len(comp)} files): " + ", ".join(comp))
     for edge in result["upward"]:
         lines.append(f"up: {edge}")
+    for edge in result["aliases"]:
+        lines.append(f"alias: {edge}")
     if "forward" in result:
         lines.append("forward layer path: " + " -> ".join(result["forward"]["layer_path"]))
         lines.append("forward files: " + ", ".join(result["forward"]["file_list"]))

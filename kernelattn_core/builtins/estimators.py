@@ -8,7 +8,14 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..engine.backends import Backend, Problem, attend_normalized, attend_step, select_backend
+from ..engine.backends import (
+    Backend,
+    Problem,
+    attend_normalized,
+    attend_step,
+    preferred_backend,
+    select_backend,
+)
 from ..engine.naive import allowed_pairs, isolated_pre, isolated_rows, poison_rows, quarantine_non_finite
 from ..engine.torch_backend import CausalState, compute_dtype
 from ..errors import InputError
@@ -400,11 +407,13 @@ class FeatureMapAttention(AttentionEstimator):
         fm = self.feature_map
         if not fm.built:
             self.redraw_policy.initial(fm, q.shape[-1])
-        self.redraw_policy.before_forward(fm, self.training)
+        if self.training and self.redraw_policy.every:  # else before_forward has nothing to advance
+            self.redraw_policy.before_forward(fm, self.training)
         # with root != 1, _attend_scaled made sure that prepare is the base class's no-op
         fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)
         problem = Problem(q.device, q.dtype, fm.log_space, causal, torch.is_grad_enabled())
-        backend = select_backend(problem, self.backend)
+        prefer = preferred_backend(self, self.backend)  # kernel_attention(backend=) for this call
+        backend = select_backend(problem, prefer)
         self.last_backend = backend.name
         # fused (features on chip) when the backend and the map allow it, else materialised;
         # the torch backend normalises group by group
@@ -419,7 +428,7 @@ class FeatureMapAttention(AttentionEstimator):
             key_padding_mask=key_padding_mask,
             chunk_size=self.chunk_size,
             scale=root,
-            fallback=self._fell_back if self.backend is None else None,
+            fallback=self._fell_back if prefer is None else None,
         )
         return self._post(out).to(v.dtype)
 

@@ -49,8 +49,8 @@ from ..builtins.estimators import ExactAttention, FeatureMapAttention
 from ..builtins.kernels import SoftmaxKernel
 from ..interfaces.kernel import Kernel
 from ..registry import get_registry
-from .measure import benchmark_time, peak_memory
-from .progress import Progress
+from ..report.measure import benchmark_time, peak_memory
+from ..report.progress import Progress
 
 HEAD_DIM = 64
 REGIMES: dict[str, float | None] = {"unit": None, "gauss-0.5": 0.5, "gauss-1.0": 1.0, "peaked": 2.0}

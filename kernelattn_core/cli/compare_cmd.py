@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from .output import add_output_arguments
+from ..report.output import add_output_arguments
 
 REGIME_CHOICES = ("all", "unit", "gauss-0.5", "gauss-1.0", "peaked")
 
@@ -66,6 +66,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..report.output import RowStream, emit, resolve_format, table
+    from ..report.plot import check_plot_path, compare_figure
     from .compare import (
         ALL_BUDGETS,
         COLUMNS,
@@ -79,8 +81,6 @@ def run(args: argparse.Namespace) -> int:
         run_compare,
         summary,
     )
-    from .output import RowStream, emit, resolve_format, table
-    from .plot import check_plot_path, compare_figure
 
     plot_path = check_plot_path(args.plot)  # fail before the work, not after it
     fmt = resolve_format(args.format, args.output)

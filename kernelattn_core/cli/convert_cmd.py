@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError, KernelAttnError
+from ..report.output import table, to_json
 from .convert_shared import (  # noqa: F401  (re-exported: tests and plugins read them here)
     _SPECIAL_TEXTS,
     ENCODER_ONLY,
@@ -42,7 +43,6 @@ from .convert_shared import (  # noqa: F401  (re-exported: tests and plugins rea
     _share,
     _stage,
 )
-from .output import table, to_json
 
 
 class _Given(argparse.Action):
@@ -280,7 +280,7 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     nothing is fitted before an argument is refused): returns the estimator options, the
     device, the model folder and both texts. Each refusal is an
     :class:`~kernelattn_core.errors.InputError` of one line naming the argument."""
-    from ..convert import _check_options
+    from ..convert.attention import _check_options
     from ..module import build_estimator
 
     options = estimator_options(args)
@@ -358,8 +358,8 @@ def run(args: argparse.Namespace) -> int:
     from ..convert import convert_attention, distill_attention, output_errors
     from ..convert.e2e import finetune_end_to_end
     from ..convert.report import embedding_report
+    from ..report.progress import progress_wanted
     from ..workloads import minilm
-    from .progress import progress_wanted
 
     checked = validate(args)  # every argument, before any work
     if checked.get("decoder"):

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError, KernelAttnError
+from ..report.output import table, to_json
 from .convert_shared import _stage
-from .output import table, to_json
 
 #: model types whose ``config.json`` is a causal LM even without an ``architectures`` entry
 DECODER_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt_neox")
@@ -87,7 +87,7 @@ def validate(
     lengths checked against the model's positions, the estimator built once. Sets
     ``args.max_length`` (default: the ``context`` of the folder's ``teacher.json``, else
     256, capped at the model's positions) and ``args.eval_sequences`` (default: all)."""
-    from ..convert import _check_options
+    from ..convert.attention import _check_options
     from ..module import build_estimator
     from .convert_shared import ENCODER_ONLY, _check_output_path, _read_texts
 
@@ -168,9 +168,9 @@ def run(args: argparse.Namespace, checked: dict[str, Any]) -> int:
     import torch
 
     from ..convert import convert_attention, distill_attention, lm
+    from ..report.progress import progress_wanted
     from ..workloads import minilm
     from .convert_shared import _one_line, _share
-    from .progress import progress_wanted
 
     options, device, path = checked["options"], checked["device"], checked["model"]
     fit_text, eval_texts = checked["fit_text"], checked["eval_texts"]

@@ -7,7 +7,7 @@ runs, when ``--list`` asks for the names, or when ``NAME --help`` asks for one
 experiment's options. ``kernelattn experiment --help`` therefore answers without
 importing torch or any plugin (like ``kernelattn --help``). Every experiment takes the
 shared ``--format {table,csv,json}``, ``--output FILE`` and ``--plot FILE`` flags
-(:func:`kernelattn_core.cli.output.add_output_arguments`).
+(:func:`kernelattn_core.report.output.add_output_arguments`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..api import list_plugins
-    from .output import emit, resolve_format, to_json
+    from ..report.output import emit, resolve_format, to_json
 
     plugins = list_plugins()
     if resolve_format(args.format, args.output) == "json":

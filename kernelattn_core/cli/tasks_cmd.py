@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from .output import add_output_arguments
+from ..report.output import add_output_arguments
 
 TASK_NAMES = ("mqar", "listops", "selective-copy", "induction")  # kept equal to tasks.TASKS by a test
 PRESET_NAMES = ("seeds", "zoology")  # kept equal to tasks.run.PRESETS by a test
@@ -83,9 +83,9 @@ def run(args: argparse.Namespace) -> int:
     _positive("--jobs", [args.jobs])
     if args.seeds is not None and any(s < 0 for s in args.seeds):
         raise InputError(f"--seeds: expected integers >= 0, got {args.seeds}")
+    from ..report.output import RowStream, emit, resolve_format, table
     from ..tasks.figures import check_output_paths, tasks_figure
     from ..tasks.run import COLUMNS, CSV_COLUMNS, PRESETS, WIDTHS, run_tasks, seeds_columns, seeds_table
-    from .output import RowStream, emit, resolve_format, table
 
     check_output_paths(args.plot, args.output)  # fail before the work, not after it
     fmt = resolve_format(args.format, args.output)

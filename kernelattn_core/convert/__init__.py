@@ -20,26 +20,12 @@ class and attributes. Loading a Hugging Face model is the caller's business
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
-from torch import nn
-
-from ..errors import InputError
-from ..lookup import resolve
-from ..module import KernelAttention
-from ..validation import check_bool, check_positive_int, check_seed
-from .decoder import (
-    KernelDecoderAttention,
-    convert_decoder_module,
-    decoder_shape,
-    finish_conversion,
-    from_pretrained,
-    is_hf_decoder_attention,
-)
+from .attention import convert_attention, converted_modules, from_pretrained
+from .decoder import KernelDecoderAttention
 from .distill import DistillReport, LayerReport, distill_attention, output_errors
-from .hf import HFKernelSelfAttention, is_hf_self_attention
-from .hf import _num_heads as _hf_heads
+from .hf import HFKernelSelfAttention
 
 __all__ = [
     "DistillReport",
@@ -54,8 +40,6 @@ __all__ = [
     "output_errors",
 ]
 
-_CONVERTED = (KernelAttention, HFKernelSelfAttention, KernelDecoderAttention)
-
 
 def __getattr__(name: str) -> Any:
     if name == "KernelCache":  # imports transformers
@@ -63,153 +47,3 @@ def __getattr__(name: str) -> Any:
 
         return KernelCache
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def convert_attention(
-    model: nn.Module,
-    estimator: str = "softmax",
-    *,
-    cross_attention: bool = False,
-    **options: Any,
-) -> nn.Module:
-    """A copy of ``model`` with every self-attention replaced by kernelized attention.
-
-    The pretrained projection weights are carried over; ``model`` itself is untouched.
-    Each converted layer gets its own estimator built with
-    ``create(estimator, **options)``, plus ``head_dim`` and ``num_heads`` when the
-    estimator (or feature map) takes them. With ``seed=s`` layer ``i`` gets seed
-    ``s + i`` (independent draws per layer, reproducible); without it the draws come
-    from the global torch generator (``torch.manual_seed`` makes them reproducible).
-
-    Parameters
-    ----------
-    model : nn.Module
-        Any module holding :class:`torch.nn.MultiheadAttention` modules (for example an
-        :class:`torch.nn.TransformerEncoder`), a Hugging Face BERT-family model, or a
-        Hugging Face decoder (GPT-2, Llama, Mistral, Qwen2: any ``transformers`` model
-        whose attention dispatches through its attention interface). A decoder is
-        converted through ``transformers``' extension points
-        (:mod:`kernelattn_core.convert.decoder`): its attention modules keep their class
-        (a subclass is swapped in) and their weights, get an ``estimator``, and the model
-        runs with ``attn_implementation="kernelattn"``; ``config.kernelattn`` records the
-        estimator and options for :func:`from_pretrained`.
-    estimator : str
-        Registry name of an estimator, feature map or kernel (``"softmax"``: exact,
-        the same function as the original).
-    cross_attention : bool
-        Also convert the cross-attention ``multihead_attn`` of
-        :class:`torch.nn.TransformerDecoderLayer` (off by default: only self-attention).
-    **options
-        Estimator options (``num_features``, ``window``, ``seed``, ...).
-
-    Returns
-    -------
-    nn.Module
-        The converted copy, in the training mode of ``model``. The fused fast path of
-        :class:`torch.nn.TransformerEncoder` is switched off on it
-        (``use_nested_tensor = False``).
-
-    Raises
-    ------
-    InputError
-        When ``model`` holds no attention module this function knows.
-
-    Examples
-    --------
-    >>> import torch, kernelattn_core as ka
-    >>> from kernelattn_core.convert import convert_attention
-    >>> layer = torch.nn.TransformerEncoderLayer(32, 4, batch_first=True)
-    >>> encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-    >>> fast = convert_attention(encoder, "elu")
-    >>> type(fast.layers[0].self_attn).__name__
-    'KernelAttention'
-    """
-    if not isinstance(model, nn.Module):
-        raise InputError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    check_bool("cross_attention", cross_attention)
-    _check_options(estimator, options)
-    out = copy.deepcopy(model)
-    targets: list[tuple[str, nn.Module]] = []
-    for name, module in out.named_modules():
-        if isinstance(module, _CONVERTED):
-            continue
-        if isinstance(module, nn.MultiheadAttention):
-            if not cross_attention and name.split(".")[-1] == "multihead_attn":
-                continue
-            targets.append((name, module))
-        elif is_hf_self_attention(name, module) or is_hf_decoder_attention(name, module):
-            targets.append((name, module))
-    if not targets:
-        raise InputError(
-            f"model: no self-attention to convert in {type(model).__name__} (expected torch.nn.MultiheadAttention, "
-            "a Hugging Face BERT/RoBERTa/DistilBERT self-attention or a Hugging Face decoder attention that "
-            "dispatches through transformers' attention interface)"
-        )
-    decoders = False
-    for index, (name, module) in enumerate(targets):
-        _check_head_dim(name, module, options)
-        layer_options = dict(options)
-        if layer_options.get("seed") is not None:
-            layer_options["seed"] = layer_options["seed"] + index
-        if isinstance(module, nn.MultiheadAttention):
-            new: nn.Module = KernelAttention.from_multihead(module, estimator, **layer_options)
-        elif is_hf_self_attention(name, module):
-            new = HFKernelSelfAttention.from_module(module, estimator, **layer_options)
-        else:
-            new = convert_decoder_module(module, estimator, **layer_options)  # in place, in the copy
-            decoders = True
-        parent_name, _, attr = name.rpartition(".")
-        setattr(out.get_submodule(parent_name), attr, new)
-    for module in out.modules():
-        if isinstance(module, nn.TransformerEncoder):
-            module.use_nested_tensor = False
-    if decoders:
-        finish_conversion(out, estimator, options)
-    return out
-
-
-#: options the converted module sets from the original one (an estimator option of the
-#: same name would contradict it)
-_SET_BY_MODULE = ("num_heads", "embed_dim", "kdim", "vdim", "batch_first", "bias", "device", "dtype")
-
-
-def _check_options(estimator: object, options: dict[str, Any]) -> None:
-    """Refuse, before any work, what the conversion would fail on later or read wrongly."""
-    if not isinstance(estimator, str) or not estimator:
-        raise InputError(f"estimator: expected a registry name (str), got {estimator!r}")
-    resolve(estimator)  # an unknown name is refused here, listing the known ones
-    for key in _SET_BY_MODULE:
-        if key in options:
-            raise InputError(
-                f"{key}: set by each converted module from the original attention (its width, heads, layout, "
-                f"dtype and device), not an estimator option; got {key}={options[key]!r}"
-            )
-    check_seed("seed", options.get("seed"))  # "abc" is no seed, and 1.5 is not truncated to 1
-    if "causal" in options:
-        check_bool("causal", options["causal"])
-    if "head_dim" in options:
-        check_positive_int("head_dim", options["head_dim"])
-
-
-def _check_head_dim(name: str, module: nn.Module, options: dict[str, Any]) -> None:
-    """A ``head_dim`` option must be the module's own (``embed_dim / num_heads``): another
-    one would only fail at the first forward call."""
-    if "head_dim" not in options:
-        return
-    if isinstance(module, nn.MultiheadAttention):
-        actual = module.head_dim
-    elif is_hf_decoder_attention(name, module):
-        actual = decoder_shape(module)[0]
-    else:
-        actual = module.query.out_features if hasattr(module, "query") else module.q_lin.out_features
-        actual //= _hf_heads(module)
-    if options["head_dim"] != actual:
-        raise InputError(
-            f"head_dim: the attention {name!r} has heads of width {actual}, got head_dim={options['head_dim']} "
-            "(leave it out: each converted module sets its own)"
-        )
-
-
-def converted_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The kernelized attention modules of ``model`` with their names, in order."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, _CONVERTED)]

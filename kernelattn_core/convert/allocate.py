@@ -82,7 +82,7 @@ def allocate_budget(
         ``candidates`` (``{"window", "num_features", "validation_error"}``).
     """
     from ..module import build_estimator
-    from . import converted_modules
+    from .attention import converted_modules
 
     check_positive_int("budget", budget)
     check_positive_int("steps", steps, minimum=0)

@@ -34,7 +34,7 @@ attention module calls ``ALL_ATTENTION_FUNCTIONS``) are converted through
 Decoding state: :mod:`kernelattn_core.convert.cache`. Saving and loading: the converted
 config records the estimator and its options (``config.kernelattn``) and the
 implementation (``attn_implementation: "kernelattn"``), so ``save_pretrained`` writes
-everything :func:`from_pretrained` needs to rebuild the model; plain
+everything :func:`~kernelattn_core.convert.from_pretrained` needs to rebuild the model; plain
 ``AutoModel.from_pretrained`` of such a folder fails loudly instead of loading softmax
 attention.
 
@@ -49,7 +49,6 @@ import inspect
 import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -484,100 +483,4 @@ def _configs(config: Any) -> list[Any]:
         sub = getattr(config, key, None)
         if sub is not None:
             out.extend(_configs(sub))
-    return out
-
-
-# ---------------------------------------------------------------------- loading
-def from_pretrained(path: str | Path, *, model_class: Any = None, **kwargs: Any) -> nn.Module:
-    """Load a converted decoder saved with ``save_pretrained``: the model with its
-    pretrained weights, converted again as its ``config.kernelattn`` records, and every
-    estimator's parameters and draws from the saved weights.
-
-    Parameters
-    ----------
-    path : str or Path
-        The folder ``save_pretrained`` wrote.
-    model_class : type, optional
-        The ``transformers`` class to load (default: the config's first architecture,
-        for example ``GPT2LMHeadModel``).
-    **kwargs
-        Passed to ``model_class.from_pretrained`` (``dtype``, ``device_map``, ...).
-
-    Raises
-    ------
-    InputError
-        When the folder holds no converted model, its record cannot be rebuilt (options
-        that are not JSON), or the saved estimator weights do not match the rebuilt
-        estimators (each missing or unexpected key is named).
-    """
-    import transformers
-
-    from . import convert_attention
-
-    register()
-    folder = Path(path)
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise InputError(f"path: expected a folder written by save_pretrained (with config.json), got {str(path)!r}")
-    data = json.loads(config_file.read_text("utf-8"))
-    record = data.get(RECORD)
-    if not isinstance(record, dict) or "estimator" not in record:
-        raise InputError(
-            f"path: {str(path)!r} holds no kernelattn conversion (config.json has no {RECORD!r} record); load it "
-            "with transformers and convert it with convert_attention"
-        )
-    if not record.get("portable", True):
-        raise InputError(
-            f"path: the conversion in {str(path)!r} used options that are not JSON ({record['options']}); "
-            "convert the base model again with the same objects and load the state dict"
-        )
-    if model_class is None:
-        arch = (data.get("architectures") or [None])[0]
-        model_class = getattr(transformers, arch, None) if isinstance(arch, str) else None
-        if model_class is None:
-            raise InputError(f"model_class: config.json names no transformers architecture ({arch!r}); pass one")
-    kwargs.setdefault("attn_implementation", "sdpa")
-    logger = transformers.utils.logging.get_logger("transformers.modeling_utils")
-    level = logger.level
-    logger.setLevel(40)  # the estimator keys are reported as unexpected here; they are loaded and checked below
-    try:
-        base, info = model_class.from_pretrained(str(folder), output_loading_info=True, **kwargs)
-    finally:
-        logger.setLevel(level)
-    model = convert_attention(base, record["estimator"], **record["options"])
-    saved = _saved_state(folder)
-    wanted = {k for k in model.state_dict() if ".estimator." in f".{k}"}
-    have = {k for k in saved if ".estimator." in f".{k}"}
-    missing, unexpected = sorted(wanted - have), sorted(have - wanted)
-    if missing or unexpected:
-        raise InputError(
-            f"path: the saved estimator weights do not match the rebuilt estimators: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}"
-        )
-    others = [k for k in info.get("unexpected_keys", []) if ".estimator." not in f".{k}"]
-    if info.get("missing_keys") or others:
-        raise InputError(
-            f"path: the saved model does not match {model_class.__name__}: missing {sorted(info['missing_keys'])[:5]}, "
-            f"unexpected {others[:5]}"
-        )
-    device = next(iter(model.parameters())).device
-    result = model.load_state_dict({k: saved[k].to(device) for k in have}, strict=False)
-    assert not result.unexpected_keys  # checked above
-    return model.eval()
-
-
-def _saved_state(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors (or ``pytorch_model.bin``) files in ``folder``."""
-    files = sorted(folder.glob("*.safetensors"))
-    out: dict[str, torch.Tensor] = {}
-    if files:
-        from safetensors.torch import load_file
-
-        for f in files:
-            out.update(load_file(str(f)))
-        return out
-    for f in sorted(folder.glob("pytorch_model*.bin")):
-        out.update(torch.load(f, map_location="cpu", weights_only=True))
-    if not out:
-        raise InputError(f"path: no weights (*.safetensors or pytorch_model*.bin) in {str(folder)!r}")
     return out

@@ -120,7 +120,7 @@ def capture_layers(student: nn.Module, teacher: nn.Module, batches: Iterable[Any
     """Per converted layer of ``student``: the ``q, k, v`` and masks the *teacher's*
     module of the same name sees on ``batches`` (projected by the student's module,
     whose projections are the teacher's)."""
-    from . import converted_modules
+    from .attention import converted_modules
 
     modules = converted_modules(student)
     if not modules:
@@ -257,7 +257,7 @@ class _Bar:
             self._rich.start()
             self._task = self._rich.add_task(label, total=total)
         except ImportError:  # pragma: no cover - rich is optional
-            from ..cli.progress import Progress as Plain
+            from ..report.progress import Progress as Plain
 
             self._plain = Plain(total, label).__enter__()
 
@@ -378,7 +378,7 @@ def distill_attention(
     if eval_texts is not None and tokenizer is None:
         raise InputError("tokenizer: needed to embed eval_texts (pass the models' tokenizer)")
     start = time.perf_counter()
-    from . import converted_modules
+    from .attention import converted_modules
 
     layers = capture_layers(student, teacher, batches)
     modules = dict(converted_modules(student))
@@ -436,7 +436,7 @@ def output_errors(student: nn.Module, teacher: nn.Module, batches: Iterable[Any]
     list of dict
         ``{"layer", "name", "output_rel_error"}`` in layer order.
     """
-    from . import converted_modules
+    from .attention import converted_modules
 
     layers = capture_layers(student, teacher, batches)
     modules = dict(converted_modules(student))

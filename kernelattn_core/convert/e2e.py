@@ -99,7 +99,7 @@ _LORA_TARGETS = ("query", "key", "value", "q_lin", "k_lin", "v_lin")
 
 
 def _attach_lora(student: nn.Module, rank: int, alpha: float, seed: int) -> list[tuple[nn.Module, str, LoRALinear]]:
-    from . import converted_modules
+    from .attention import converted_modules
 
     gen = torch.Generator().manual_seed(seed)
     attached = []
@@ -210,7 +210,7 @@ def finetune_end_to_end(
     -------
     EndToEndReport
     """
-    from . import converted_modules
+    from .attention import converted_modules
 
     check_positive_int("steps", steps, minimum=0)
     check_positive_int("lora_rank", lora_rank, minimum=0)

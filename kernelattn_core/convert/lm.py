@@ -116,7 +116,7 @@ def load_decoder(path: str | Path, **kwargs: Any) -> tuple[nn.Module, Any]:
         raise InputError(f"path: expected a local model folder with config.json, got {str(path)!r}")
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     if "kernelattn" in json.loads((folder / "config.json").read_text("utf-8")):
-        from .decoder import from_pretrained
+        from .attention import from_pretrained
 
         return from_pretrained(folder, **kwargs), tokenizer
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, **kwargs)
@@ -186,7 +186,7 @@ _LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "c_attn")
 
 
 def _attach_adapters(student: nn.Module, rank: int, alpha: float, seed: int) -> list[tuple[nn.Module, str, Any]]:
-    from . import converted_modules
+    from .attention import converted_modules
 
     gen = torch.Generator().manual_seed(seed)
     attached = []
@@ -272,7 +272,7 @@ def finetune_causal_lm(
         steps).
     """
     from ..validation import check_positive_int
-    from . import converted_modules
+    from .attention import converted_modules
     from .distill import _Bar
 
     check_positive_int("steps", steps, minimum=0)

@@ -45,7 +45,7 @@ def time_models(
     """Forward time of the original MiniLM (``sdpa`` and ``eager``) and of its conversion
     with :data:`RECIPE`, on ``batch`` packed passages of ``length`` tokens."""
     from ..workloads import minilm
-    from . import convert_attention
+    from .attention import convert_attention
 
     eager, tok = minilm.load_model(attn_implementation="eager")
     sdpa, _ = minilm.load_model(attn_implementation="sdpa")
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", default="512,2048,4096,8192,16384", help="lengths of the attention timing")
     p.add_argument("--skip-models", action="store_true")
     args = p.parse_args(argv)
-    from ..cli.output import table
+    from ..report.output import table
 
     if not args.skip_models:
         rows = time_models(threads=tuple(int(t) for t in args.threads.split(",")), repeats=args.repeats)

@@ -1,6 +1,10 @@
-"""The attention engine: the public entry point, backends and references.
+"""The attention engine: backends, the grouped and chunked causal paths, references.
 
-* ``api.py``: :func:`kernel_attention`.
+:func:`~kernelattn_core.kernel_attention`, the public entry point, is defined at the top
+level (:mod:`kernelattn_core.api`, beside ``create``); ``kernelattn_core.engine.kernel_attention``
+and ``kernelattn_core.engine.api`` still resolve to it (deprecated). Sequence-parallel
+attention is :mod:`kernelattn_core.distributed`.
+
 * ``backends.py``: backends described by data, chosen at run time.
 * ``grouped.py``: how the torch backend runs: features and attention per group of
   positions, with its own backward (no whole-sequence feature tensor, forward or backward).
@@ -10,8 +14,17 @@
 * ``naive.py``: quadratic references that every fast path is tested against.
 """
 
-from .api import kernel_attention
+from typing import Any
+
 from .backends import Backend, Problem, backends, register_backend, select_backend
 from .torch_backend import CausalState
 
-__all__ = ["Backend", "CausalState", "Problem", "backends", "kernel_attention", "register_backend", "select_backend"]
+__all__ = ["Backend", "CausalState", "Problem", "backends", "register_backend", "select_backend"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "kernel_attention":  # moved to kernelattn_core.api; the alias module warns
+        from . import api
+
+        return api.kernel_attention
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -175,6 +178,43 @@ def register_backend(backend: Backend) -> None:
 def backends() -> list[Backend]:
     """All registered backends, highest priority first."""
     return sorted(_BACKENDS.values(), key=lambda b: -b.priority)
+
+
+#: the backend that :func:`kernelattn_core.kernel_attention` forces for one call:
+#: ``(estimator, name)`` while the call runs, else ``None``. A context variable, so the
+#: estimator is never mutated during a call and concurrent calls (threads, asyncio tasks)
+#: do not see each other's choice.
+_CALL_BACKEND: ContextVar[tuple[object, str] | None] = ContextVar("kernelattn_call_backend", default=None)
+#: how many forced calls are running, in any thread: while 0, :func:`preferred_backend` reads
+#: no context variable (a plain global that torch.compile traces; ``ContextVar.get`` breaks
+#: the graph)
+_FORCED_CALLS = 0
+_FORCED_LOCK = threading.Lock()
+
+
+@contextmanager
+def backend_for_call(estimator: object, name: str) -> Iterator[None]:
+    """Force the backend ``name`` on ``estimator``'s feature attention while the block runs
+    (``kernel_attention(..., backend=name)``); other estimators called inside keep theirs."""
+    global _FORCED_CALLS
+    token = _CALL_BACKEND.set((estimator, name))
+    with _FORCED_LOCK:
+        _FORCED_CALLS += 1
+    try:
+        yield
+    finally:
+        with _FORCED_LOCK:
+            _FORCED_CALLS -= 1
+        _CALL_BACKEND.reset(token)
+
+
+def preferred_backend(estimator: object, own: str | None) -> str | None:
+    """The backend name ``estimator`` runs this call on: the one forced for the call by
+    :func:`backend_for_call`, else ``own`` (its ``backend`` option; ``None``: automatic)."""
+    if not _FORCED_CALLS:
+        return own
+    forced = _CALL_BACKEND.get()
+    return forced[1] if forced is not None and forced[0] is estimator else own
 
 
 def select_backend(problem: Problem, prefer: str | None = None) -> Backend:

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from ..validation import isolated_rows, non_finite_rows  # noqa: F401 - re-exported (moved below the engine)
+
 
 def allowed_pairs(
     n: int, m: int, causal: bool, key_padding_mask: torch.Tensor | None, device: torch.device
@@ -53,36 +55,6 @@ def quarantine_non_finite(
     v = v.masked_fill(bad_k.unsqueeze(-1), 0.0)
     seen = bad_k.unsqueeze(-2) if allowed is None else allowed & bad_k.unsqueeze(-2)  # [B, H, N|1, M]
     return q, k, v, bad_q | seen.any(-1)
-
-
-def non_finite_rows(x: torch.Tensor) -> torch.Tensor | None:
-    """The rows ``[...]`` of ``x [..., n]`` holding NaN or inf, or ``None`` when every row
-    is finite. One reduction decides (a sum is finite unless some entry is not, or the
-    sum overflows, in which case the rows are checked); the common all-finite case costs
-    one pass over ``x`` and no copy. Under ``torch.compile`` the rows are returned always
-    (a tensor operation, no branch on the data): callers then mask unconditionally."""
-    if torch.compiler.is_compiling():  # no data-dependent branch: the rows, always
-        return ~torch.isfinite(x.detach()).all(-1)
-    if x.numel() == 0 or bool(torch.isfinite(x.detach().sum())):
-        return None
-    bad = ~torch.isfinite(x.detach()).all(-1)
-    return bad if bool(bad.any()) else None
-
-
-def isolated_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``fn(x)`` for a row-wise ``fn`` (``[..., n]`` to ``[..., n']``, each row from its own
-    row), with every non-finite row of ``x`` replaced by 0 before ``fn`` and its result row
-    set to NaN after.
-
-    The result is NaN where it would have been non-finite anyway, but ``fn``'s backward
-    pass never meets the NaN or inf: the row's gradient is exactly 0 (``fn``'s backward
-    would give :math:`0 \\cdot \\mathrm{NaN}`), and so is its share of the gradient of any
-    parameter ``fn`` holds (a learned feature map, a normaliser's ``post``)."""
-    bad = non_finite_rows(x)
-    if bad is None:
-        return fn(x)
-    bad = bad.unsqueeze(-1)
-    return fn(x.masked_fill(bad, 0.0)).masked_fill(bad, float("nan"))
 
 
 def isolated_pre(

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
-from ..validation import check_budget, check_positive_int, check_tensor
+from ..validation import check_budget, check_positive_int, check_tensor, isolated_rows
 from .kernel import Kernel
 from .names import resolve_class
 from .state import add_family_marker
@@ -297,8 +297,6 @@ class FeatureMap(nn.Module, ABC):
         make it NaN) and a learned map's parameter gradients stay finite whatever a masked
         or later position holds. One reduction over ``x`` decides; the map runs once.
         """
-        from ..engine.naive import isolated_rows
-
         return isolated_rows(fn or (lambda t: self._features(t, is_query)), x)
 
     def raw_features(self, x: torch.Tensor, *, query: bool) -> torch.Tensor:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..cli.plot import _plain_ticks, _save_no_layout, check_plot_path, line_styles, pyplot, save
+from ..report.plot import _plain_ticks, _save_no_layout, check_plot_path, line_styles, pyplot, save
 from .model import NO_MIXING
 
 EXACT = "exact"

@@ -307,7 +307,7 @@ def run_tasks(
     quadratic : bool
         With the default estimators, add the quadratic ones (``ra``, ``ra-biased``).
     progress : bool
-        A progress bar on a terminal (see :mod:`kernelattn_core.cli.progress`).
+        A progress bar on a terminal (see :mod:`kernelattn_core.report.progress`).
     on_record : callable, optional
         Called with each record as soon as it is complete.
     recipe : dict, optional
@@ -328,7 +328,7 @@ def run_tasks(
     list of dict
         The records described in the module docstring.
     """
-    from ..cli.progress import Progress
+    from ..report.progress import Progress
 
     task_names = list(tasks) if tasks else ["mqar"]
     chosen = [get_task(t) for t in task_names]

@@ -217,7 +217,7 @@ def train(
 
 def _step_peak_memory(model: TaskModel, batch: TaskBatch) -> int:
     """Peak tensor memory (bytes) of one forward and backward pass (gradients discarded)."""
-    from ..cli.measure import peak_memory
+    from ..report.measure import peak_memory
 
     def once() -> None:
         loss, _, _ = loss_and_hits(model, batch)

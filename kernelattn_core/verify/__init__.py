@@ -322,8 +322,8 @@ def run_cli(args: argparse.Namespace) -> int:
     import warnings
 
     from ..claims.spec import ClaimDeprecationWarning
-    from ..cli.output import table, to_json
-    from ..cli.progress import Progress
+    from ..report.output import table, to_json
+    from ..report.progress import Progress
 
     rules = set(getattr(args, "rule", None) or ())
     pairs = [(e, c) for e, c in plan(args.names, level=args.level) if not rules or c.rule in rules]

@@ -1,0 +1,168 @@
+"""Rendering records as a table, CSV or JSON."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if value == 0 or 1e-3 <= abs(value) < 1e5:
+            return f"{value:.4g}"
+        return f"{value:.3e}"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_short(_cell(v))}" for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return ",".join(_cell(v) for v in value)
+    return str(value)
+
+
+def _short(text: str, limit: int = 48) -> str:
+    """Long values (symbolic expressions) are cut in tables; JSON keeps them whole."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def table(records: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A plain-text table with a header row."""
+    rows = [[_cell(r.get(c)) for c in columns] for r in records]
+    widths = [max([len(c)] + [len(row[i]) for row in rows]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def to_csv(records: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for r in records:
+        writer.writerow({c: ("" if r.get(c) is None else r.get(c)) for c in columns})
+    return buffer.getvalue().rstrip("\n")
+
+
+def to_json(records: Sequence[dict[str, Any]]) -> str:
+    def clean(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [clean(x) for x in v]
+        return v
+
+    return json.dumps([clean(r) for r in records], indent=2)
+
+
+FORMATS = ("table", "csv", "json")
+
+
+def add_output_arguments(parser: Any, *, plot: bool = True) -> None:
+    """The flags every results-producing command shares: ``--format``, ``--output``, ``--plot``."""
+    parser.add_argument("--format", choices=FORMATS, default="table", help="how results are written (default: table)")
+    parser.add_argument(
+        "--output",
+        metavar="FILE",
+        help="write the results to FILE instead of stdout (format from --format, or from a .csv/.json suffix)",
+    )
+    if plot:
+        parser.add_argument(
+            "--plot",
+            metavar="FILE",
+            help="also draw the figure to FILE (.png, .svg or .pdf; needs pip install 'kernelattn-core[plot]')",
+        )
+
+
+def resolve_format(fmt: str, output: str | None) -> str:
+    """``--format`` as given, except that a default ``table`` follows an ``--output`` suffix."""
+    if output and fmt == "table":
+        suffix = output.rsplit(".", 1)[-1].lower() if "." in output else ""
+        if suffix in ("csv", "json"):
+            return suffix
+    return fmt
+
+
+def render(records: Sequence[dict[str, Any]], columns: Sequence[str], fmt: str, *, meta: Any = None) -> str:
+    """Records as ``fmt`` text; JSON is ``{"meta": ..., "records": [...]}`` when ``meta`` is given."""
+    if fmt == "json":
+        return (
+            to_json(records)
+            if meta is None
+            else json.dumps({"meta": meta, "records": json.loads(to_json(records))}, indent=2)
+        )
+    if fmt == "csv":
+        return to_csv(records, columns)
+    if fmt == "table":
+        return table(records, columns)
+    raise ValueError(f"format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+
+
+def emit(
+    records: Sequence[dict[str, Any]],
+    columns: Sequence[str],
+    fmt: str,
+    output: str | None = None,
+    *,
+    title: str | None = None,
+    meta: Any = None,
+    stdout: Any = None,
+) -> None:
+    """Write records to ``output`` (a file) or to stdout; a table gets ``title`` above it."""
+    import sys
+
+    fmt = resolve_format(fmt, output)
+    text = render(records, columns, fmt, meta=meta)
+    if fmt == "table" and title:
+        text = f"{title}\n{text}"
+    if output:
+        from pathlib import Path
+
+        path = Path(output)
+        if path.parent and not path.parent.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n", encoding="utf-8")
+        print(f"results written to {path} ({fmt})", file=sys.stderr)
+    else:
+        print(text, file=stdout if stdout is not None else sys.stdout)
+
+
+class RowStream:
+    """A table printed row by row as results arrive (fixed column widths).
+
+    ``widths`` maps a column to its width; values that do not fit are shown whole.
+    """
+
+    def __init__(self, columns: Sequence[str], widths: dict[str, int] | None = None, stream: Any = None) -> None:
+        self.columns = list(columns)
+        self.widths = {c: max(len(c), (widths or {}).get(c, 10)) for c in self.columns}
+        self._stream = stream  # None: sys.stdout at each row (a live progress bar may redirect it)
+        self.started = False
+
+    @property
+    def stream(self) -> Any:
+        import sys
+
+        return self._stream if self._stream is not None else sys.stdout
+
+    def _line(self, cells: Sequence[str]) -> str:
+        return "  ".join(cell.ljust(self.widths[c]) for c, cell in zip(self.columns, cells)).rstrip()
+
+    def header(self) -> None:
+        if not self.started:
+            self.started = True
+            print(self._line(self.columns), file=self.stream)
+            print(self._line(["-" * self.widths[c] for c in self.columns]), file=self.stream, flush=True)
+
+    def row(self, record: dict[str, Any]) -> None:
+        self.header()
+        print(self._line([_cell(record.get(c)) for c in self.columns]), file=self.stream, flush=True)
