@@ -447,6 +447,7 @@ def causal_linear_attention(
     log_decay = _checked_decay(log_decay, q)
     n = q.shape[-2]
     chunk = max(1, min(chunk, n))
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # chunks are views (no copy when already)
     q, k, v, m, log_decay, extra = _padded(q, k, v, m, log_decay, chunk)
     out, s_final = _CausalLinear.apply(q, k, v, s0, m, m0, log_decay, chunk)
     return (out[..., :n, :] if extra else out), s_final
