@@ -200,3 +200,26 @@ def test_bad_log_decay_is_named(bad, says: str) -> None:  # type: ignore[no-unty
     x = _inputs(9)
     with pytest.raises(InputError, match=rf"log_decay: .*{says}"):
         causal_linear_attention(x["q"], x["k"], x["v"], x["s0"], None, None, 4, bad(x["log_decay"]))
+
+
+@pytest.mark.parametrize("stabilised", [False, True])
+@pytest.mark.parametrize("decay", ["none", "zero", "random"])
+def test_the_compile_form_equals_the_eager_core(stabilised: bool, decay: str) -> None:
+    """``torch.compile`` runs ``_traced`` (no data-dependent branch, autograd's backward):
+    the eager core's outputs, final state and gradients, to 1e-10."""
+    x = _inputs(37, seed=17, stabilised=stabilised)
+    if decay == "zero":
+        x["log_decay"] = torch.zeros_like(x["log_decay"])
+
+    def pick(t: dict) -> torch.Tensor | None:
+        return None if decay == "none" else t["log_decay"]
+
+    fast = _grads(
+        x, lambda t: causal_linear_attention(t["q"], t["k"], t["v"], t["s0"], x["m"], x["m0"], 8, pick(t)), True
+    )
+    traced = _grads(x, lambda t: chunked._traced(t["q"], t["k"], t["v"], t["s0"], x["m"], x["m0"], pick(t), 8), True)
+    for name, a, b in zip(NAMES, fast, traced, strict=True):
+        if a is None or b is None:
+            assert a is None and b is None and name == "log_decay"
+            continue
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-10), (name, (a - b).abs().max().item())

@@ -391,6 +391,52 @@ def _checked_decay(log_decay: torch.Tensor | None, q: torch.Tensor) -> torch.Ten
     return log_decay.to(q.dtype).contiguous()
 
 
+def _traced(q, k, v, s0, m, m0, ld, chunk):  # type: ignore[no-untyped-def]
+    """:func:`causal_linear_attention` for ``torch.compile``: the same factors, no
+    data-dependent branch (every chunk gated, no ``nonzero``), differentiated by autograd;
+    the states from one ``[n_c, n_c]`` matrix of chunk-to-chunk decays,
+    :math:`S_c = \\sum_{c' < c} e^{C_{c-1} - C_{c'}} U_{c'} + e^{C_{c-1}} S_0` with
+    :math:`C_c = \\sum_{c'' \\le c} \\log \\delta_{c''}` (no loop at all)."""
+    n = q.shape[-2]
+    chunk = max(1, min(chunk, n))
+    q, k, v, m, ld, extra = _padded(q, k, v, m, ld, chunk)
+    b, h, length, _ = q.shape
+    nc = length // chunk
+    tri = _tri(chunk, q.device)
+    qc, kc, vc = (t.unflatten(2, (nc, chunk)) for t in (q, k, v))
+    a = qc @ kc.transpose(-1, -2)  # [B, H, nc, C, C]
+    if m is None and ld is None:
+        a, p, r = a.masked_fill(~tri, 0.0), None, None
+        log_delta = q.new_zeros(b, h, nc)
+    else:
+        if m is None:
+            mc = ld.new_zeros(b, h, nc, chunk)
+            m_end = m_prev = ld.new_zeros(b, h, nc)
+        else:
+            mc = m.unflatten(-1, (nc, chunk))
+            m_end = mc[..., -1]
+            m_prev = torch.cat([m0, m_end[..., :-1]], dim=-1)
+        if ld is not None:
+            lam = ld.unflatten(-1, (nc, chunk)).cumsum(-1)
+            mc, m_end = mc - lam, m_end - lam[..., -1]
+        a = a * (mc.unsqueeze(-2) - mc.unsqueeze(-1)).masked_fill(~tri, float("-inf")).exp()
+        p = (m_prev.unsqueeze(-1) - mc).exp()
+        r = (mc - m_end.unsqueeze(-1)).exp()
+        log_delta = m_prev - m_end  # [B, H, nc], <= 0
+    u = (kc if r is None else kc * r.unsqueeze(-1)).transpose(-1, -2) @ vc  # [B, H, nc, D, dv]
+    cum = log_delta.cumsum(-1)  # C_c
+    before = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], dim=-1)  # C_{c-1}
+    strict = torch.ones(nc, nc, dtype=torch.bool, device=q.device).tril(-1)
+    gamma = (before.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~strict, float("-inf")).exp()  # [.., c, c']
+    states = (gamma @ u.flatten(-2)).unflatten(-1, u.shape[-2:]) + before.exp()[..., None, None] * s0.unsqueeze(2)
+    inter = qc @ states
+    if p is not None:
+        inter = inter * p.unsqueeze(-1)
+    out = (a @ vc + inter).flatten(2, 3)
+    s_final = log_delta[..., -1].exp()[..., None, None] * states[:, :, -1] + u[:, :, -1]
+    return (out[..., :n, :] if extra else out), s_final
+
+
 def causal_linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -444,6 +490,8 @@ def causal_linear_attention(
     InputError
         ``log_decay`` of another shape than ``q``'s ``[B, H, N]``, positive or not finite.
     """
+    if torch.compiler.is_compiling():  # one graph: no value checks read back, autograd's backward
+        return _traced(q, k, v, s0, m, m0, log_decay, chunk)
     log_decay = _checked_decay(log_decay, q)
     n = q.shape[-2]
     chunk = max(1, min(chunk, n))
