@@ -28,10 +28,12 @@ Validation and randomness
     ``check_choice``, ``check_key_padding_mask``, ``check_positive_int``, ``check_qkv``,
     ``check_scale``, ``check_tensor``; ``RedrawPolicy``, ``generator_for``.
 Engine helpers
-    references (``kernel_attention_naive``, ``feature_attention_naive``), the quarantine of
+    references (``kernel_attention_naive``, ``feature_attention_naive``,
+    ``decayed_linear_attention_naive``), the quarantine of
     non-finite rows (``allowed_pairs``, ``isolated_pre``, ``isolated_rows``,
     ``non_finite_rows``, ``poison_rows``, ``quarantine_non_finite``), ``absorb_keys``,
-    ``compute_dtype``, and the backends (``Backend``, ``Problem``, ``register_backend``,
+    ``compute_dtype``, the causal recurrence (``causal_linear_attention``, with its optional
+    per-position log-decay), and the backends (``Backend``, ``Problem``, ``register_backend``,
     ``select_backend``, ``attend_features``, ``attend_normalized``).
 Claims and verification
     every claim type of :mod:`kernelattn_core.claims`, ``check_claim``, ``z_threshold``.
@@ -99,6 +101,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         n: ("kernelattn_core.engine.naive", n)
         for n in (
             "allowed_pairs",
+            "decayed_linear_attention_naive",
             "feature_attention_naive",
             "isolated_pre",
             "kernel_attention_naive",
@@ -108,6 +111,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     },
     **{n: ("kernelattn_core.validation", n) for n in ("isolated_rows", "non_finite_rows")},
     **{n: ("kernelattn_core.engine.torch_backend", n) for n in ("absorb_keys", "compute_dtype")},
+    "causal_linear_attention": ("kernelattn_core.engine.chunked", "causal_linear_attention"),
     **{
         n: ("kernelattn_core.engine.backends", n)
         for n in ("Backend", "Problem", "attend_features", "attend_normalized", "register_backend", "select_backend")

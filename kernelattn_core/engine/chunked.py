@@ -48,6 +48,32 @@ state; zero unless the state is used), with :math:`P^{(c)}_{tj} = [j \\le t]\\, 
     \\bar v_j = \\sum_{t \\in c} A_{tj} \\bar o_t + r_j G_c^\\top k_j, \\qquad
     \\bar S_0 = W_0 + \\delta_0 G_0 .
 
+**Per-position decay** (``log_decay``, gated linear attention, RFA-Gate): the state is
+multiplied by :math:`e^{\\lambda_t}` (:math:`\\lambda_t \\le 0`) before position :math:`t`'s
+key is added,
+
+.. math::
+    S_t = e^{\\lambda_t}\\, e^{m_{t-1} - m_t}\\, S_{t-1} + k_t v_t^\\top, \\qquad o_t = S_t^\\top q_t,
+
+so pair :math:`(t, j)` carries :math:`e^{\\Lambda_t - \\Lambda_j + m_j - m_t}`,
+:math:`\\Lambda_t = \\sum_{i \\le t} \\lambda_i`. The decay is a stabiliser: with
+:math:`\\mu_t = m_t - \\Lambda^{(c)}_t` (:math:`\\Lambda^{(c)}` cumulated from the start of
+chunk ``c`` only, so the exponents stay small however long the sequence) every formula
+above holds with :math:`m_t \\to \\mu_t` inside the chunk and :math:`M_c \\to M_c -
+\\Lambda^{(c)}_{\\text{end}}` at its end, :math:`M_{c-1}` unchanged at its start; :math:`\\mu` is
+non-decreasing, so :math:`g, p, r, \\delta` stay :math:`\\le 1` (the decay across chunks is
+:math:`\\delta_c = e^{M_{c-1} - M_c + \\Lambda^{(c)}_{\\text{end}}}`, applied in the scan).
+Its gradient needs no new recurrence: every :math:`\\Lambda_t` enters as
+:math:`+\\Lambda_t` through row :math:`t` and :math:`-\\Lambda_t` through key :math:`t`
+(and :math:`+\\Lambda_{N-1}` through the final state), so
+
+.. math::
+    \\frac{\\partial L}{\\partial \\Lambda_t} = \\bar o_t^\\top o_t - k_t^\\top \\bar k_t
+    + [t = N - 1]\\, \\langle S_N, \\bar S_N \\rangle, \\qquad
+    \\bar\\lambda_i = \\sum_{t \\ge i} \\frac{\\partial L}{\\partial \\Lambda_t}
+
+(a reversed cumulative sum; :math:`o_t` is recomputed from the recomputed states).
+
 The states :math:`S_c` are recomputed in the backward pass rather than stored, so
 training keeps only the inputs: :math:`O(N(D + d_v))` memory plus
 :math:`O(N C + n_c D d_v)` transient work space.
@@ -56,6 +82,8 @@ training keeps only the inputs: :math:`O(N(D + d_v))` memory plus
 from __future__ import annotations
 
 import torch
+
+from ..errors import InputError
 
 #: chunk length used when the caller passes ``chunk_size=None``; chosen by measurement
 #: (PRF log-features, D = 128, d_v = 64, N = 4096, one thread, forward and forward +
@@ -83,11 +111,17 @@ class _Gate:
     def __init__(self, mc: torch.Tensor, tri: torch.Tensor) -> None:
         flat = mc.flatten(0, -2)  # [B * H * n_c, C]
         self.idx = (flat[:, 0] != flat[:, -1]).nonzero().squeeze(-1)  # m is non-decreasing
-        self.gate = _gate(flat.index_select(0, self.idx), tri) if self.idx.numel() else None
+        self.full = self.idx.numel() == flat.shape[0]  # every chunk moves (a decay): no gather
+        if self.full:
+            self.gate = _gate(flat, tri)
+        else:
+            self.gate = _gate(flat.index_select(0, self.idx), tri) if self.idx.numel() else None
 
     def apply_(self, x: torch.Tensor, tri: torch.Tensor) -> torch.Tensor:
         """``x [.., C, C]`` times the gate, in place."""
         x.masked_fill_(~tri, 0.0)
+        if self.full:
+            return x.mul_(self.gate.view(x.shape))  # type: ignore[union-attr]
         if self.gate is not None:
             flat = x.view(-1, *x.shape[-2:])
             flat.index_copy_(0, self.idx, flat.index_select(0, self.idx).mul_(self.gate))
@@ -124,14 +158,28 @@ def _reverse_scan(
 
 
 def _stabilisers(
-    m: torch.Tensor | None, m0: torch.Tensor | None, n_c: int, c: int
+    m: torch.Tensor | None, m0: torch.Tensor | None, log_decay: torch.Tensor | None, n_c: int, c: int
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``mc [B,H,n_c,C]``, ``p [B,H,n_c,C]``, ``r [B,H,n_c,C]``, ``decay [B,H,n_c]`` (None for plain)."""
-    if m is None:
+    """``mu [B,H,n_c,C]``, ``p [B,H,n_c,C]``, ``r [B,H,n_c,C]``, ``delta [B,H,n_c]`` (None for
+    plain features without a decay).
+
+    With a decay, ``mu`` is the stabiliser less the cumulative log-decay *within the chunk*
+    (:math:`\\mu_t = m_t - \\Lambda^{(c)}_t`, non-decreasing), and the chunk's end is
+    :math:`M_c - \\Lambda^{(c)}_{\text{end}}`: every factor stays :math:`e^{\\le 0}`."""
+    if m is None and log_decay is None:
         return None, None, None, None
-    mc = m.unflatten(-1, (n_c, c))
-    m_end = mc[..., -1]  # [B, H, n_c]: M_c
-    m_prev = torch.cat([m0, m_end[..., :-1]], dim=-1)  # [B, H, n_c]: M_{c-1}
+    if m is None:  # plain features with a decay: m = 0 throughout
+        shape = (*log_decay.shape[:-1], n_c)  # type: ignore[union-attr]
+        mc = log_decay.new_zeros(*shape, c)  # type: ignore[union-attr]
+        m_end = m_prev = log_decay.new_zeros(shape)  # type: ignore[union-attr]
+    else:
+        mc = m.unflatten(-1, (n_c, c))
+        m_end = mc[..., -1]  # [B, H, n_c]: M_c
+        m_prev = torch.cat([m0, m_end[..., :-1]], dim=-1)  # type: ignore[list-item]  # [B, H, n_c]: M_{c-1}
+    if log_decay is not None:
+        lam = log_decay.unflatten(-1, (n_c, c)).cumsum(-1)  # [B, H, n_c, C]: Lambda within the chunk
+        mc = mc - lam
+        m_end = m_end - lam[..., -1]
     p = (m_prev.unsqueeze(-1) - mc).exp()
     r = (mc - m_end.unsqueeze(-1)).exp()
     return mc, p, r, (m_prev - m_end).exp()
@@ -150,11 +198,12 @@ GROUP = 4096
 class _Block:
     """The per-chunk pieces of one group of chunks (positions ``[g0, g1)``)."""
 
-    def __init__(self, q, k, v, s_in, m, m_in, chunk, tri):  # type: ignore[no-untyped-def]
+    def __init__(self, q, k, v, s_in, m, m_in, log_decay, chunk, tri):  # type: ignore[no-untyped-def]
         b, h, n, d_feat = q.shape
         dv = v.shape[-1]
         n_c = n // chunk
-        mc, self.p, self.r, self.decay = _stabilisers(m, m_in, n_c, chunk)
+        self.decayed = log_decay is not None
+        mc, self.p, self.r, self.decay = _stabilisers(m, m_in, log_decay, n_c, chunk)
         self.qc = q.view(b, h, n_c, chunk, d_feat)
         self.kc = k.view(b, h, n_c, chunk, d_feat)
         self.vc = v.view(b, h, n_c, chunk, dv)
@@ -193,7 +242,19 @@ class _Block:
         if r is not None:
             v_inter.mul_(r.unsqueeze(-1))
         v_bar = torch.baddbmm(v_inter.flatten(0, 2), a.transpose(-1, -2).flatten(0, 2), oc.flatten(0, 2))
+        if self.decayed:  # the output, for decay_bar: o_bar . o needs it
+            inter = qc @ self.states
+            if p is not None:
+                inter.mul_(p.unsqueeze(-1))
+            self.out = torch.baddbmm(inter.flatten(0, 2), a.flatten(0, 2), vc.flatten(0, 2))
         return q_bar, k_bar, v_bar, g_in
+
+    def decay_bar(self, o_bar: torch.Tensor, k_bar: torch.Tensor) -> torch.Tensor:
+        """``[B H n_c, C]``: :math:`\\partial L / \\partial \\Lambda_t = \bar o_t^\top o_t - k_t^\top \bar k_t`
+        (after :meth:`backward`, whose ``k_bar`` it takes)."""
+        oc = o_bar.reshape(self.out.shape)
+        seen = self.out.mul_(oc).masked_fill_(oc == 0, 0.0)  # a row nobody reads gives 0, even if it overflowed
+        return seen.sum(-1) - (k_bar * self.kc.flatten(0, 2)).sum(-1)
 
 
 def _groups(n: int, chunk: int) -> list[tuple[int, int]]:
@@ -216,10 +277,18 @@ def _rows(x: torch.Tensor, g0: int, g1: int) -> torch.Tensor:
     return part if g1 - g0 == x.shape[2] else part.contiguous()
 
 
-def _block(q, k, v, s_in, m, m0, g0, g1, chunk, tri) -> _Block:  # type: ignore[no-untyped-def]
+def _block(q, k, v, s_in, m, m0, ld, g0, g1, chunk, tri) -> _Block:  # type: ignore[no-untyped-def]
     """The :class:`_Block` of positions ``[g0, g1)`` entering with state ``s_in``."""
     return _Block(
-        _rows(q, g0, g1), _rows(k, g0, g1), _rows(v, g0, g1), s_in, _part(m, g0, g1), _m_in(m, m0, g0), chunk, tri
+        _rows(q, g0, g1),
+        _rows(k, g0, g1),
+        _rows(v, g0, g1),
+        s_in,
+        _part(m, g0, g1),
+        _m_in(m, m0, g0),
+        _part(ld, g0, g1),
+        chunk,
+        tri,
     )
 
 
@@ -227,7 +296,7 @@ def _tri(chunk: int, device: torch.device) -> torch.Tensor:
     return torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril()
 
 
-def _core_forward(q, k, v, s0, m, m0, chunk):  # type: ignore[no-untyped-def]
+def _core_forward(q, k, v, s0, m, m0, ld, chunk):  # type: ignore[no-untyped-def]
     """Output, final state and the state entering each group (inputs padded to ``chunk``)."""
     b, h, n, _ = q.shape
     tri = _tri(chunk, q.device)
@@ -235,54 +304,137 @@ def _core_forward(q, k, v, s0, m, m0, chunk):  # type: ignore[no-untyped-def]
     s_in, cur = [], s0
     for g0, g1 in _groups(n, chunk):  # groups bound the work space; no autograd records this loop
         s_in.append(cur)
-        blk = _block(q, k, v, cur, m, m0, g0, g1, chunk, tri)
+        blk = _block(q, k, v, cur, m, m0, ld, g0, g1, chunk, tri)
         out[:, :, g0:g1] = blk.forward().view(b, h, g1 - g0, -1)
         cur = blk.s_out
         del blk  # free this group's work space before the next one
     return out, cur, s_in
 
 
-def _core_backward(q, k, v, m, m0, s_in, chunk, o_bar, s_bar):  # type: ignore[no-untyped-def]
-    """Gradients of ``q, k, v`` and of the initial state (inputs padded to ``chunk``)."""
+def _core_backward(q, k, v, m, m0, ld, s_in, chunk, o_bar, s_bar):  # type: ignore[no-untyped-def]
+    """Gradients of ``q, k, v``, of the initial state and of ``ld`` (``None`` without a
+    decay; inputs padded to ``chunk``)."""
     b, h, n, d_feat = q.shape
     tri = _tri(chunk, q.device)
     groups = _groups(n, chunk)
     q_bar, k_bar, v_bar = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # groups tile [0, N)
+    big_bar = None if ld is None else torch.empty_like(ld)  # dL/dLambda_t (Lambda = cumsum ld)
+    end_term = None
     g_out = torch.zeros_like(s_in[0]) if s_bar is None else s_bar
     for i in range(len(groups) - 1, -1, -1):  # last group first: G runs backwards
         g0, g1 = groups[i]
-        blk = _block(q, k, v, s_in[i], m, m0, g0, g1, chunk, tri)
-        dq, dk, dv_, g_out = blk.backward(_rows(o_bar, g0, g1), g_out)
+        blk = _block(q, k, v, s_in[i], m, m0, ld, g0, g1, chunk, tri)
+        if big_bar is not None and s_bar is not None and i == len(groups) - 1:
+            end_term = (blk.s_out * s_bar).sum((-2, -1))  # <S_final, S_bar>: through Lambda_end
+        ob = _rows(o_bar, g0, g1)
+        dq, dk, dv_, g_out = blk.backward(ob, g_out)
+        if big_bar is not None:
+            big_bar[:, :, g0:g1] = blk.decay_bar(ob, dk).view(b, h, g1 - g0)
         q_bar[:, :, g0:g1] = dq.view(b, h, g1 - g0, d_feat)
         k_bar[:, :, g0:g1] = dk.view(b, h, g1 - g0, d_feat)
         v_bar[:, :, g0:g1] = dv_.view(b, h, g1 - g0, -1)
         del blk, dq, dk, dv_
-    return q_bar, k_bar, v_bar, g_out
+    ld_bar = None
+    if big_bar is not None:  # ld_i reaches every Lambda_t with t >= i: a reversed cumulative sum
+        ld_bar = big_bar.flip(-1).cumsum(-1).flip(-1)
+        if end_term is not None:
+            ld_bar.add_(end_term.unsqueeze(-1))
+    return q_bar, k_bar, v_bar, g_out, ld_bar
 
 
 class _CausalLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, s0, m, m0, chunk):  # type: ignore[no-untyped-def, override]
-        out, cur, s_in = _core_forward(q, k, v, s0, m, m0, chunk)
-        ctx.save_for_backward(q, k, v, m, m0, *s_in)  # group boundary states only
+    def forward(ctx, q, k, v, s0, m, m0, ld, chunk):  # type: ignore[no-untyped-def, override]
+        out, cur, s_in = _core_forward(q, k, v, s0, m, m0, ld, chunk)
+        ctx.save_for_backward(q, k, v, m, m0, ld, *s_in)  # group boundary states only
         ctx.chunk = chunk
         return out, cur
 
     @staticmethod
     def backward(ctx, o_bar, s_bar):  # type: ignore[no-untyped-def, override]
-        q, k, v, m, m0, *s_in = ctx.saved_tensors
-        return *_core_backward(q, k, v, m, m0, s_in, ctx.chunk, o_bar, s_bar), None, None, None
+        q, k, v, m, m0, ld, *s_in = ctx.saved_tensors
+        q_bar, k_bar, v_bar, s0_bar, ld_bar = _core_backward(q, k, v, m, m0, ld, s_in, ctx.chunk, o_bar, s_bar)
+        if ld_bar is not None and not ctx.needs_input_grad[6]:
+            ld_bar = None
+        return q_bar, k_bar, v_bar, s0_bar, None, None, ld_bar, None
 
 
-def _padded(q, k, v, m, chunk):  # type: ignore[no-untyped-def]
+def _padded(q, k, v, m, ld, chunk):  # type: ignore[no-untyped-def]
     """Inputs padded to a multiple of ``chunk``: zero features after the end contribute
-    nothing, and ``m`` is continued flat."""
+    nothing, ``m`` is continued flat and the log-decay with 0 (no decay)."""
     extra = -q.shape[-2] % chunk
     if extra:
         q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, extra)) for t in (q, k, v))
         if m is not None:
             m = torch.cat([m, m[..., -1:].expand(*m.shape[:-1], extra)], dim=-1)
-    return q, k, v, m, extra
+        if ld is not None:
+            ld = torch.nn.functional.pad(ld, (0, extra))
+    return q, k, v, m, ld, extra
+
+
+def _checked_decay(log_decay: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """``log_decay`` ``[B, H, N]`` (finite, ``<= 0``) as ``q``'s dtype, or an :class:`InputError`."""
+    if log_decay is None:
+        return None
+    if not isinstance(log_decay, torch.Tensor):
+        raise InputError(f"log_decay: expected a Tensor [B, H, N] or None, got {type(log_decay).__name__}")
+    want = tuple(q.shape[:-1])
+    if tuple(log_decay.shape) != want:
+        raise InputError(f"log_decay: expected shape {want} (B, H, N of q), got {tuple(log_decay.shape)}")
+    if not log_decay.is_floating_point():
+        raise InputError(f"log_decay: expected a floating-point tensor, got {log_decay.dtype}")
+    if not bool((log_decay.detach() <= 0).all()) or not bool(torch.isfinite(log_decay.detach()).all()):
+        bad = log_decay.detach()[~((log_decay.detach() <= 0) & torch.isfinite(log_decay.detach()))]
+        raise InputError(
+            f"log_decay: expected finite values <= 0 (the log of a decay in (0, 1]), got {bad.flatten()[0].item()!r}"
+        )
+    return log_decay.to(q.dtype).contiguous()
+
+
+def _traced(q, k, v, s0, m, m0, ld, chunk):  # type: ignore[no-untyped-def]
+    """:func:`causal_linear_attention` for ``torch.compile``: the same factors, no
+    data-dependent branch (every chunk gated, no ``nonzero``), differentiated by autograd;
+    the states from one ``[n_c, n_c]`` matrix of chunk-to-chunk decays,
+    :math:`S_c = \\sum_{c' < c} e^{C_{c-1} - C_{c'}} U_{c'} + e^{C_{c-1}} S_0` with
+    :math:`C_c = \\sum_{c'' \\le c} \\log \\delta_{c''}` (no loop at all)."""
+    n = q.shape[-2]
+    chunk = max(1, min(chunk, n))
+    q, k, v, m, ld, extra = _padded(q, k, v, m, ld, chunk)
+    b, h, length, _ = q.shape
+    nc = length // chunk
+    tri = _tri(chunk, q.device)
+    qc, kc, vc = (t.unflatten(2, (nc, chunk)) for t in (q, k, v))
+    a = qc @ kc.transpose(-1, -2)  # [B, H, nc, C, C]
+    if m is None and ld is None:
+        a, p, r = a.masked_fill(~tri, 0.0), None, None
+        log_delta = q.new_zeros(b, h, nc)
+    else:
+        if m is None:
+            mc = ld.new_zeros(b, h, nc, chunk)
+            m_end = m_prev = ld.new_zeros(b, h, nc)
+        else:
+            mc = m.unflatten(-1, (nc, chunk))
+            m_end = mc[..., -1]
+            m_prev = torch.cat([m0, m_end[..., :-1]], dim=-1)
+        if ld is not None:
+            lam = ld.unflatten(-1, (nc, chunk)).cumsum(-1)
+            mc, m_end = mc - lam, m_end - lam[..., -1]
+        a = a * (mc.unsqueeze(-2) - mc.unsqueeze(-1)).masked_fill(~tri, float("-inf")).exp()
+        p = (m_prev.unsqueeze(-1) - mc).exp()
+        r = (mc - m_end.unsqueeze(-1)).exp()
+        log_delta = m_prev - m_end  # [B, H, nc], <= 0
+    u = (kc if r is None else kc * r.unsqueeze(-1)).transpose(-1, -2) @ vc  # [B, H, nc, D, dv]
+    cum = log_delta.cumsum(-1)  # C_c
+    before = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], dim=-1)  # C_{c-1}
+    strict = torch.ones(nc, nc, dtype=torch.bool, device=q.device).tril(-1)
+    gamma = (before.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~strict, float("-inf")).exp()  # [.., c, c']
+    states = (gamma @ u.flatten(-2)).unflatten(-1, u.shape[-2:]) + before.exp()[..., None, None] * s0.unsqueeze(2)
+    inter = qc @ states
+    if p is not None:
+        inter = inter * p.unsqueeze(-1)
+    out = (a @ vc + inter).flatten(2, 3)
+    s_final = log_delta[..., -1].exp()[..., None, None] * states[:, :, -1] + u[:, :, -1]
+    return (out[..., :n, :] if extra else out), s_final
 
 
 def causal_linear_attention(
@@ -293,8 +445,17 @@ def causal_linear_attention(
     m: torch.Tensor | None,
     m0: torch.Tensor | None,
     chunk: int,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal linear attention of finite, prepared inputs (see the module docstring).
+    """Causal linear attention of finite, prepared inputs (see the module docstring),
+    optionally with a per-position decay.
+
+    .. math::
+        S_t = e^{\\lambda_t}\\, e^{m_{t-1} - m_t}\\, S_{t-1} + k_t v_t^\top, \\qquad
+        o_t = S_t^\top q_t \\qquad (S_{-1} = s_0,\\ m_{-1} = m_0),
+
+    that is :math:`o_t = \\sum_{j \\le t} e^{\\Lambda_t - \\Lambda_j + m_j - m_t}\\, q_t^\top k_j\\, v_j
+    + e^{\\Lambda_t + m_0 - m_t}\\, s_0^\top q_t` with :math:`\\Lambda_t = \\sum_{i \\le t} \\lambda_i`.
 
     Parameters
     ----------
@@ -313,17 +474,30 @@ def causal_linear_attention(
         Stabiliser of ``s0`` (``<= m``).
     chunk : int
         Positions per chunk; ``N`` is padded up to a multiple.
+    log_decay : Tensor ``[B, H, N]`` or None
+        :math:`\\lambda_t \\le 0`, finite: the state is multiplied by :math:`e^{\\lambda_t}`
+        before position ``t``'s key is added (gated linear attention, RFA-Gate's
+        :math:`\\log g_t`); ``None``: no decay. Differentiable.
 
     Returns
     -------
     out : Tensor ``[B, H, N, dv]``
     s_final : Tensor ``[B, H, D, dv]``, stated at ``m[..., -1]``.
-    Both are differentiable in ``q``, ``k``, ``v`` and ``s0``.
+    Both are differentiable in ``q``, ``k``, ``v``, ``s0`` and ``log_decay``.
+
+    Raises
+    ------
+    InputError
+        ``log_decay`` of another shape than ``q``'s ``[B, H, N]``, positive or not finite.
     """
+    if torch.compiler.is_compiling():  # one graph: no value checks read back, autograd's backward
+        return _traced(q, k, v, s0, m, m0, log_decay, chunk)
+    log_decay = _checked_decay(log_decay, q)
     n = q.shape[-2]
     chunk = max(1, min(chunk, n))
-    q, k, v, m, extra = _padded(q, k, v, m, chunk)
-    out, s_final = _CausalLinear.apply(q, k, v, s0, m, m0, chunk)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # chunks are views (no copy when already)
+    q, k, v, m, log_decay, extra = _padded(q, k, v, m, log_decay, chunk)
+    out, s_final = _CausalLinear.apply(q, k, v, s0, m, m0, log_decay, chunk)
     return (out[..., :n, :] if extra else out), s_final
 
 
@@ -335,12 +509,13 @@ def causal_linear_attention_forward(
     m: torch.Tensor | None,
     m0: torch.Tensor | None,
     chunk: int,
+    log_decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`causal_linear_attention` without autograd (no graph is recorded, even when
     an input requires a gradient): for callers that write their own backward with
     :func:`causal_linear_attention_backward`."""
     with torch.no_grad():
-        return causal_linear_attention(q, k, v, s0, m, m0, chunk)
+        return causal_linear_attention(q, k, v, s0, m, m0, chunk, log_decay)
 
 
 def causal_linear_attention_backward(
@@ -354,8 +529,8 @@ def causal_linear_attention_backward(
     o_bar: torch.Tensor,
     s_bar: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`causal_linear_attention` without autograd: the transposed
-    recurrence of the module docstring, the states recomputed.
+    """Gradients of :func:`causal_linear_attention` (without a decay) without autograd:
+    the transposed recurrence of the module docstring, the states recomputed.
 
     For callers that write their own backward around the core (the grouped engine,
     :mod:`kernelattn_core.engine.grouped`, which recomputes the features per group).
@@ -376,7 +551,7 @@ def causal_linear_attention_backward(
     """
     n = q.shape[-2]
     chunk = max(1, min(chunk, n))
-    q, k, v, m, extra = _padded(q, k, v, m, chunk)
+    q, k, v, m, _, extra = _padded(q, k, v, m, None, chunk)
     if extra:
         o_bar = torch.nn.functional.pad(o_bar, (0, 0, 0, extra))
     groups = _groups(q.shape[-2], chunk)
@@ -384,9 +559,9 @@ def causal_linear_attention_backward(
     if len(groups) > 1:  # the states entering the later groups: forward scans only
         tri = _tri(chunk, q.device)
         for g0, g1 in groups[:-1]:
-            cur = _block(q, k, v, cur, m, m0, g0, g1, chunk, tri).s_out
+            cur = _block(q, k, v, cur, m, m0, None, g0, g1, chunk, tri).s_out
             s_in.append(cur)
-    q_bar, k_bar, v_bar, s0_bar = _core_backward(q, k, v, m, m0, s_in, chunk, o_bar.contiguous(), s_bar)
+    q_bar, k_bar, v_bar, s0_bar, _ = _core_backward(q, k, v, m, m0, None, s_in, chunk, o_bar.contiguous(), s_bar)
     if extra:
         q_bar, k_bar, v_bar = (t[..., :n, :] for t in (q_bar, k_bar, v_bar))
     return q_bar, k_bar, v_bar, s0_bar

@@ -141,3 +141,57 @@ def kernel_attention_naive(
     a = kernel_matrix if allowed is None else kernel_matrix.masked_fill(~allowed, 0.0)
     den = a.sum(-1, keepdim=True)
     return (a @ v) / torch.where(den == 0, torch.ones_like(den), den)
+
+
+def decayed_linear_attention_naive(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_decay: torch.Tensor | None = None,
+    *,
+    s0: torch.Tensor | None = None,
+    m: torch.Tensor | None = None,
+    m0: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The causal recurrence of :func:`~kernelattn_core.engine.chunked.causal_linear_attention`,
+    one position at a time (the reference its tests compare with, outputs and gradients).
+
+    .. math::
+        S_t = e^{\lambda_t}\, e^{m_{t-1} - m_t}\, S_{t-1} + k_t v_t^\top, \qquad
+        o_t = S_t^\top q_t, \qquad S_{-1} = s_0,\ m_{-1} = m_0,
+
+    with :math:`\lambda \equiv 0` when ``log_decay`` is ``None`` and :math:`m \equiv 0`
+    when ``m`` is ``None`` (plain features). The state is decayed *before* position
+    :math:`t`'s key is added, as gated linear attention and RFA-Gate define it.
+
+    Parameters
+    ----------
+    q, k : Tensor ``[B, H, N, D]``
+    v : Tensor ``[B, H, N, dv]``
+    log_decay : Tensor ``[B, H, N]`` or None
+        :math:`\lambda_t \le 0`.
+    s0 : Tensor ``[B, H, D, dv]``, optional
+        The incoming state (zeros when ``None``), stated at ``m0``.
+    m, m0 : Tensor ``[B, H, N]``, ``[B, H, 1]``, optional
+        The stabiliser the keys are stated at, and that of ``s0``.
+
+    Returns
+    -------
+    out : Tensor ``[B, H, N, dv]``
+    s_final : Tensor ``[B, H, D, dv]``
+    """
+    b, h, n, d_feat = q.shape
+    state = q.new_zeros(b, h, d_feat, v.shape[-1]) if s0 is None else s0
+    m_prev = None if m is None else (m[..., :1] if m0 is None else m0)  # [B, H, 1]
+    rows = []
+    for t in range(n):
+        factor = q.new_zeros(b, h)  # log of what multiplies the state: lambda_t + m_{t-1} - m_t
+        if log_decay is not None:
+            factor = factor + log_decay[:, :, t]
+        if m is not None:
+            factor = factor + m_prev[..., 0] - m[:, :, t]  # type: ignore[index]
+            m_prev = m[:, :, t : t + 1]
+        state = factor.exp()[..., None, None] * state + k[:, :, t, :, None] * v[:, :, t, None, :]
+        rows.append((q[:, :, t, None, :] @ state).squeeze(-2))  # [B, H, dv]
+    out = torch.stack(rows, dim=2) if rows else q.new_zeros(b, h, 0, v.shape[-1])
+    return out, state

@@ -17,13 +17,15 @@ et al. compute it from the layer input :math:`x_t`, of which :math:`k_t` is a li
 image, so the family of gates is the same up to the key projection.
 
 * :func:`gated_sums` is the fast form (numerator and denominator, divided by the
-  estimator's normaliser): chunks of ``chunk_size`` positions, the quadratic form
-  inside a chunk with decays :math:`e^{G_t - G_j} \\le 1` from cumulative log-gates and
-  the state carried across chunks with decay :math:`e^{G_{\\text{end}} - G_{\\text{start}}} \\le 1`
-  (every exponent is :math:`\\le 0`, so nothing overflows however long the sequence);
-  time :math:`O(N C D d_v)`, linear in :math:`N`: every chunk at once in batched
-  products, and the state scan over the :math:`n_c` chunks in a function with its own
-  backward (``_DecayScan``), so autograd never records a loop.
+  estimator's normaliser): the engine's causal recurrence
+  (:func:`~kernelattn_core.engine.chunked.causal_linear_attention`, published in the
+  toolkit) with :math:`\\log g_t` as its per-position log-decay, key features
+  :math:`(1 - g_t)\\phi(k_t)` and a column of ones appended to the values (its last output
+  column is the denominator). Chunks of ``chunk_size`` positions, decays
+  :math:`e^{G_t - G_j} \\le 1` inside a chunk and across chunks in the state scan, every
+  exponent :math:`\\le 0` however long the sequence; time :math:`O(N C D d_v)`, its own
+  backward (gradients of the features, the values and the gate), no loop recorded by
+  autograd.
   :func:`gated_attention` divides it with a sign-keeping floor.
 * :func:`gated_sums_naive` / :func:`gated_attention_naive` are the recurrence above, one
   position at a time (the references the tests compare with, outputs and gradients).
@@ -43,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernelattn_core.toolkit import InputError, check_positive_int
+from kernelattn_core.toolkit import InputError, causal_linear_attention, check_positive_int
 
 
 def _guard(den: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,43 +69,6 @@ def _gates(log_g: torch.Tensor, skip: torch.Tensor | None) -> tuple[torch.Tensor
         return log_g, -torch.expm1(log_g)
     log_g = log_g.masked_fill(skip, 0.0)
     return log_g, (-torch.expm1(log_g)).masked_fill(skip, 0.0)
-
-
-class _DecayScan(torch.autograd.Function):
-    """States before each chunk of :math:`S_{c+1} = \\delta_c S_c + U_c` (:math:`S_0` given,
-    :math:`\\delta_c = e^{T_c} \\le 1`), with its own backward, so that the loop over the
-    :math:`n_c` chunks runs without autograd (slicing inside a recorded loop would make
-    every slice's backward allocate a full-size gradient).
-
-    Backward, with :math:`\\bar S_c` the gradient of the returned state :math:`c`:
-    :math:`A_{n_c - 1} = \\bar S_{n_c - 1}`, :math:`A_c = \\bar S_c + \\delta_c A_{c+1}`;
-    then :math:`\\bar U_c = A_{c+1}` (:math:`\\bar U_{n_c - 1} = 0`) and
-    :math:`\\bar T_c = \\delta_c \\langle S_c, A_{c+1} \\rangle`, :math:`\\bar S_0 = A_0`.
-    """
-
-    @staticmethod
-    def forward(ctx, u, log_decay, s0):  # type: ignore[no-untyped-def, override]
-        decay = log_decay.exp()  # [B, H, n_c]
-        states = torch.empty_like(u)
-        states[:, :, 0] = s0
-        for i in range(u.shape[2] - 1):  # n_c small updates in place, no autograd inside
-            torch.addcmul(u[:, :, i], states[:, :, i], decay[:, :, i, None, None], out=states[:, :, i + 1])
-        ctx.save_for_backward(states, decay)
-        return states
-
-    @staticmethod
-    def backward(ctx, s_bar):  # type: ignore[no-untyped-def, override]
-        states, decay = ctx.saved_tensors
-        n_c = states.shape[2]
-        acc = torch.empty_like(states)  # acc[c] = A_c, the total gradient of state c
-        acc[:, :, -1] = s_bar[:, :, -1]
-        for i in range(n_c - 2, -1, -1):
-            torch.addcmul(s_bar[:, :, i], acc[:, :, i + 1], decay[:, :, i, None, None], out=acc[:, :, i])
-        u_bar = torch.zeros_like(states)
-        u_bar[:, :, :-1] = acc[:, :, 1:]
-        t_bar = torch.zeros_like(decay)
-        t_bar[:, :, :-1] = decay[:, :, :-1] * (states[:, :, :-1] * acc[:, :, 1:]).sum(dim=(-2, -1))
-        return u_bar, t_bar, acc[:, :, 0].clone()
 
 
 @dataclass
@@ -223,36 +188,18 @@ def gated_sums_state(
     if state is not None and state.poisoned is not None:  # consumed by an earlier call
         earlier = state.poisoned[..., None].expand(b, h, n)
         poison = earlier if poison is None else poison | earlier
-    log_g, upd = _gates(log_g, skip)
+    log_g, upd = _gates(log_g, skip)  # padded and non-finite positions: g = 1 (log 0), no update
+    if bool((log_g.detach() > 0).any()):
+        raise InputError(f"log_g: expected values <= 0 (log of a gate in (0, 1]), got {log_g.detach().max().item()!r}")
     fk = phi_k * upd.unsqueeze(-1)  # [B, H, N, D]: (1 - g_j) phi(k_j)
     if skip is not None:
         fk = fk.masked_fill(skip.unsqueeze(-1), 0.0)
         v = v.masked_fill(skip.unsqueeze(-1), 0.0)
-    log_g = log_g.expand(b, h, n)
-    c = min(chunk_size, max(n, 1))
-    extra = -n % c
     v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, N, dv + 1]: z is the last column
-    qf = phi_q
-    if extra:  # after the end: no key, gate 1; their rows are dropped below
-        qf, fk, v1 = (torch.nn.functional.pad(t, (0, 0, 0, extra)) for t in (qf, fk, v1))
-        log_g = torch.nn.functional.pad(log_g, (0, extra))
-    n_c = (n + extra) // c
-    qc = qf.unflatten(2, (n_c, c))  # [B, H, n_c, C, D]
-    kc = fk.unflatten(2, (n_c, c))
-    vc = v1.unflatten(2, (n_c, c))  # [B, H, n_c, C, dv + 1]
-    g_cum = log_g.unflatten(2, (n_c, c)).cumsum(-1)  # [B, H, n_c, C]: G_t - G_(chunk start - 1)
-    tri = torch.ones(c, c, dtype=torch.bool, device=phi_q.device).tril()
-    gap = (g_cum.unsqueeze(-1) - g_cum.unsqueeze(-2)).masked_fill(~tri, float("-inf"))
-    a = (qc @ kc.transpose(-1, -2)) * gap.exp()  # [B, H, n_c, C, C]: e^{G_t - G_j} on j <= t
-    total = g_cum[..., -1]  # [B, H, n_c]: log of the chunk's whole decay
-    to_end = (total.unsqueeze(-1) - g_cum).exp()  # [B, H, n_c, C]: e^{G_end - G_j}
-    u = (kc * to_end.unsqueeze(-1)).transpose(-1, -2) @ vc  # [B, H, n_c, D, dv + 1]: chunk at its end
-    states = _DecayScan.apply(u, total, s0)  # [B, H, n_c, D, dv + 1]: everything before each chunk
-    out = a @ vc + (qc @ states) * g_cum.exp().unsqueeze(-1)  # [B, H, n_c, C, dv + 1]
-    out = out.flatten(2, 3)[:, :, :n]
+    # the engine's causal recurrence with the gate as its decay: S_t = g_t S_{t-1} + fk_t v1_t^T
+    out, s_final = causal_linear_attention(phi_q, fk, v1, s0, None, None, chunk_size, log_g.expand(b, h, n))
     num, den = out.split([dv, 1], dim=-1)
     den = den.squeeze(-1)
-    s_final = states[:, :, -1] * total[:, :, -1].exp()[..., None, None] + u[:, :, -1]  # after the last chunk
     if poison is not None:
         num = num.masked_fill(poison.unsqueeze(-1), float("nan"))
         den = den.masked_fill(poison, float("nan"))

@@ -200,20 +200,53 @@ def test_the_fast_path_records_no_loop_at_all() -> None:
     assert _graph_size(64) == _graph_size(1024) < 100
 
 
-def test_decay_scan_gradcheck() -> None:
-    """The chunk-state scan's own backward against finite differences (float64)."""
-    from kernelattn_fourier.gate import _DecayScan
+def test_the_gate_decay_across_many_chunks_matches_the_recurrence_on_gradients() -> None:
+    """The state scan over chunks (now the engine's causal recurrence, with the gate as
+    its log-decay): 11 chunks of 2, with an incoming state; the gradients of the
+    features, the values, the gate and the incoming state against the per-position loop."""
+    from kernelattn_fourier.gate import GateState, gated_sums_state
 
+    from kernelattn_core.toolkit import decayed_linear_attention_naive
+
+    args = [t.requires_grad_() for t in _inputs(b=2, h=1, n=21, d=3, dv=2, seed=3)]
     g = torch.Generator().manual_seed(3)
-    u = torch.randn(2, 1, 5, 3, 2, generator=g, dtype=torch.float64, requires_grad=True)
-    log_decay = (-torch.rand(2, 1, 5, generator=g, dtype=torch.float64)).requires_grad_()
-    s0 = torch.randn(2, 1, 3, 2, generator=g, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(_DecayScan.apply, (u, log_decay, s0))
-    states = _DecayScan.apply(u, log_decay, s0)  # S_0 = s0, S_{c+1} = e^{T_c} S_c + U_c
-    expected = s0
-    for c in range(5):
-        torch.testing.assert_close(states[:, :, c], expected)
-        expected = log_decay[:, :, c, None, None].exp() * expected + u[:, :, c]
+    kv0 = torch.randn(2, 1, 3, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 1, 21, 3, generator=g, dtype=torch.float64)
+    num, den, state = gated_sums_state(*args, chunk_size=2, state=GateState(kv0, 5))
+    loss = (num * w[..., :2]).sum() + (den * w[..., 2]).sum() + state.kv.square().sum()
+    grads = torch.autograd.grad(loss, [*args, kv0])
+    phi_q, phi_k, v, log_g = args
+    fk = phi_k * (-torch.expm1(log_g)).unsqueeze(-1)  # (1 - g_t) phi(k_t)
+    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    out, s_final = decayed_linear_attention_naive(phi_q, fk, v1, log_g, s0=kv0)
+    ref_loss = (out * w).sum() + s_final.square().sum()
+    for a, b in zip(grads, torch.autograd.grad(ref_loss, [*args, kv0]), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert state.length == 26
+
+
+def test_a_non_finite_later_position_reaches_no_earlier_gradient() -> None:
+    """NaN in a later key, value or gate (and inf in a padded one): the gradients of a loss on
+    the earlier rows are those of the clean inputs, bit for bit, with the gate's included."""
+    from kernelattn_fourier.gate import gated_sums
+
+    clean = _inputs(n=10)
+    mask = torch.zeros(2, 10, dtype=torch.bool)
+    mask[1, 2] = True
+    results = []
+    for spoil in (False, True):
+        phi_q, phi_k, v, log_g = (t.clone() for t in clean)
+        if spoil:
+            phi_k[0, 0, 7], v[1, 1, 6], log_g[0, 1, 8] = float("nan"), float("nan"), float("nan")
+            phi_k[1, :, 2], log_g[1, :, 2] = float("inf"), float("inf")  # padded
+        args = [t.requires_grad_() for t in (phi_q, phi_k, v, log_g)]
+        num, den = gated_sums(*args, key_padding_mask=mask, chunk_size=4)
+        (num[..., :6, :].sum() + den[..., :6].sum()).backward()
+        results.append([num[..., :6, :].detach()] + [t.grad[..., :6] for t in args])
+        if spoil:
+            assert all(bool(torch.isfinite(t.grad).all()) for t in args)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_gate_refuses_another_head_count_naming_num_heads() -> None:

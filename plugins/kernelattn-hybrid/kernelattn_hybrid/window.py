@@ -10,14 +10,18 @@ For query :math:`i` let :math:`W_i` be its exact set: the keys inside the window
                            {\\sum_{j \\in W_i} e^{s_{ij}} + \\sum_{j \\in F_i} \\phi_q(q_i)^\\top \\phi_k(k_j)},
     \\qquad s_{ij} = q_i^\\top k_j .
 
-**Blocks.** Positions are cut into blocks of ``C >= w`` positions. The keys of a
-query's own block and its neighbours (``b - 1, b, b + 1``; causal: ``b - 1, b``) are its
-*local* keys: there both the logits and the feature scores are formed (``[C, 3C]`` per
-block) and each pair takes the term its set says. Keys of farther blocks are all
-feature keys; they reach the query through per-block sums
-:math:`S_b = \\sum_{j \\in b} \\phi_k(k_j) v_j^\\top` combined by a prefix and a suffix
-cumulative sum over blocks (non-causal). Time :math:`O(N C (d + d_v) + N D d_v)`,
-memory :math:`O(N C + (N / C) D d_v)`; no ``[N, M]`` tensor.
+**Blocks.** Positions are cut into blocks of ``C >= w`` positions. Non-causal: the keys
+of a query's own block and its neighbours (``b - 1, b, b + 1``) are its *local* keys:
+there both the logits and the feature scores are formed (``[C, 3C]`` per block) and each
+pair takes the term its set says. Keys of farther blocks are all feature keys; they reach
+the query through per-block sums :math:`S_b = \\sum_{j \\in b} \\phi_k(k_j) v_j^\\top`
+combined by a prefix and a suffix cumulative sum over blocks. Causal: the exact part is
+formed on blocks ``b - 1, b`` (``[C, 2C]``), and the feature part, every key with
+:math:`i - j \\ge w`, is the engine's causal recurrence
+(:func:`~kernelattn_core.engine.chunked.causal_linear_attention`, the one every causal
+estimator feeds) over the feature keys delayed by :math:`w` positions. Time
+:math:`O(N C (d + d_v) + N D d_v)`, memory :math:`O(N C + (N / C) D d_v)`; no ``[N, M]``
+tensor.
 
 **Stabilisers (exact, causal-safe).** For log-space maps
 (:math:`l = \\log \\phi`) the feature score is
@@ -33,9 +37,11 @@ The two parts of row :math:`i` are first summed on their own scales,
     Z_i = \\sum_{j \\in F_i} e^{-(a_i + c_i)} \\phi_q(q_i)^\\top \\phi_k(k_j),
 
 where every exact term is :math:`\\le 1` by the maximum and every feature term through
-the gate :math:`e^{c_j - c_i} \\le 1` for :math:`j \\le i` (causal block sums are stated
-at the block's last prefix maximum and restated with such gates, so a later, larger key
-never changes an earlier output). Then both are restated at the row's log-normaliser
+the gate :math:`e^{c_j - c_i} \\le 1` for :math:`j \\le i` (causal: the recurrence's
+stabiliser is the delayed prefix maximum :math:`c_{i - w}`, the largest log-feature of the
+keys row :math:`i` reads through the features, so the row's feature scale is
+:math:`a_i + c_{i - w}`, written :math:`a_i + c_i` below, and a later, larger key never
+changes an earlier output). Then both are restated at the row's log-normaliser
 
 .. math:: M_i = \\max\\left(m_i + \\log E_i,\\; a_i + c_i + \\log |Z_i|\\right),
 
@@ -138,8 +144,51 @@ def window_attention_blocked(
             key_padding_mask=key_padding_mask,
             block_size=block_size,
         )
+    return _causal(
+        q,
+        k,
+        v,
+        phi_q,
+        phi_k,
+        log_space=log_space,
+        window=window,
+        global_tokens=global_tokens,
+        key_padding_mask=key_padding_mask,
+        block_size=block_size,
+    )
+
+
+#: positions per chunk of the engine's causal recurrence that carries the feature part
+FEATURE_CHUNK = 64
+
+
+def _causal(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    *,
+    log_space: bool,
+    window: int,
+    global_tokens: int,
+    key_padding_mask: torch.Tensor | None,
+    block_size: int,
+) -> torch.Tensor:
+    """The causal case of :func:`window_attention_blocked`.
+
+    Exact part: blocks ``b - 1, b`` of every block (logits on the window and the global
+    tokens). Feature part: key :math:`j` reaches row :math:`i` through the features once
+    :math:`i - j \\ge w`, so it is the engine's causal recurrence
+    (:func:`~kernelattn_core.engine.chunked.causal_linear_attention`) over the feature keys
+    *delayed by* :math:`w` positions: :math:`\\tilde k_i = k_{i - w}`, with the delayed prefix
+    maximum :math:`c_{i - w}` as its stabiliser (a later, larger key never changes a row).
+    """
+    from kernelattn_core.toolkit import causal_linear_attention
+
     b_, h_, n, _ = q.shape
     m_keys = k.shape[-2]
+    dv = v.shape[-1]
     device = q.device
     c_blk = block_size
     nb = -(-max(n, m_keys) // c_blk)
@@ -153,116 +202,62 @@ def window_attention_blocked(
         valid = valid & ~F.pad(key_padding_mask, (0, length - m_keys), value=True)
     feat_key = valid & (pos >= g)  # keys that may enter through features [B, L]
 
-    # ------------------------------------------------------------ feature stabilisers
+    # ------------------------------------------------------------ feature part: the causal recurrence, delayed by w
+    delayed = (pos - window).clamp(min=0)  # [L]: the key position row i reads, i - w
+    fq = _rows(phi_q, length)
     if log_space:
-        lq = phi_q
-        a = lq.detach().amax(-1)  # [B, H, N]
+        a = fq.detach().amax(-1)  # [B, H, L]
         a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
-        fq = (lq - a.unsqueeze(-1)).exp()
-        lk = F.pad(phi_k, (0, 0, 0, length - m_keys)).masked_fill(~feat_key[:, None, :, None], NEG)
-        kmax = lk.detach().amax(-1)  # [B, H, L]
-        if causal:
-            c_raw = kmax.cummax(-1).values  # prefix maximum: causal
-        else:
-            c_raw = kmax.amax(-1, keepdim=True).expand_as(kmax)  # one constant per row of heads
-        c_ok = torch.isfinite(c_raw)
-        c = torch.where(c_ok, c_raw, torch.zeros_like(c_raw))  # [B, H, L]
+        fq = (fq - a.unsqueeze(-1)).exp()
+        lk = _rows(phi_k, length).masked_fill(~feat_key[:, None, :, None], NEG)
+        c_raw = lk.detach().amax(-1).cummax(-1).values  # [B, H, L]: prefix maximum, -inf before the first
+        finite = torch.isfinite(c_raw)
+        first = torch.where(finite, c_raw, torch.full_like(c_raw, float("inf"))).amin(-1, keepdim=True)
+        c = torch.where(finite, c_raw, torch.where(torch.isfinite(first), first, torch.zeros_like(first)))
         fk = (lk - c.unsqueeze(-1)).exp()  # [B, H, L, D], <= 1, non-feature keys 0
+        m_f = a + c[..., delayed]  # [B, H, L]: the feature part's scale, a_i + c_{i - w}
+        stab = c[..., delayed].contiguous()  # non-decreasing, finite
     else:
-        fq = phi_q
-        a = torch.zeros(q.shape[:-1], dtype=q.dtype, device=device)
-        fk = F.pad(phi_k, (0, 0, 0, length - m_keys)).masked_fill(~feat_key[:, None, :, None], 0.0)
-        c = torch.zeros(b_, h_, length, dtype=q.dtype, device=device)
-        c_ok = feat_key[:, None, :].expand(b_, h_, length)
-        if causal:
-            c_ok = c_ok.cummax(-1).values
-        else:
-            c_ok = c_ok.any(-1, keepdim=True).expand_as(c_ok)
+        a = torch.zeros(b_, h_, length, dtype=q.dtype, device=device)
+        fk = _rows(phi_k, length).masked_fill(~feat_key[:, None, :, None], 0.0)
+        m_f = a
+        stab = None
+    v1 = torch.cat([_rows(v, length), torch.ones_like(_rows(v, length)[..., :1])], dim=-1)  # [B, H, L, dv + 1]
+    fk_d = F.pad(fk, (0, 0, window, 0))[:, :, :length]  # [B, H, L, D]: zeros before position w
+    v1_d = F.pad(v1, (0, 0, window, 0))[:, :, :length]
+    s0 = fq.new_zeros(b_, h_, fq.shape[-1], dv + 1)
+    m0 = None if stab is None else stab[..., :1]
+    out_f, _ = causal_linear_attention(fq, fk_d, v1_d, s0, stab, m0, FEATURE_CHUNK)
+    num_f, den_f = out_f.split([dv, 1], dim=-1)  # [B, H, L, dv], [B, H, L, 1]
+    den_f = den_f.squeeze(-1)
 
-    # ------------------------------------------------------------ blocks
+    # ------------------------------------------------------------ exact part: blocks b - 1 and b
     qb = _blocks(q, length, c_blk)  # [B, H, nb, C, d]
-    fqb = _blocks(fq, length, c_blk)  # [B, H, nb, C, D]
     kb = _blocks(k, length, c_blk)
     vb = _blocks(v, length, c_blk)  # [B, H, nb, C, dv]
-    fkb = fk.unflatten(-2, (nb, c_blk))  # [B, H, nb, C, D]
-    k_loc, v_loc, fk_loc = _local(kb, causal), _local(vb, causal), _local(fkb, causal)  # [B, H, nb, R, .]
+    k_loc, v_loc = _local(kb, True), _local(vb, True)  # [B, H, nb, 2C, .]
     r_loc = k_loc.shape[-2]
     qpos = pos.view(nb, c_blk)  # [nb, C]
-    kpos = qpos[:, :1] - c_blk + torch.arange(r_loc, device=device)  # [nb, R] (may be < 0 or >= L)
+    kpos = qpos[:, :1] - c_blk + torch.arange(r_loc, device=device)  # [nb, R] (may be < 0)
     in_range = (kpos >= 0) & (kpos < length)
-    kpos_c = kpos.clamp(0, length - 1)
-    valid_loc = valid[:, kpos_c] & in_range  # [B, nb, R]
-    feat_loc = feat_key[:, kpos_c] & in_range
+    valid_loc = valid[:, kpos.clamp(0, length - 1)] & in_range  # [B, nb, R]
     diff = qpos[:, :, None] - kpos[:, None, :]  # [nb, C, R]: i - j
-    if causal:
-        in_win = (diff >= 0) & (diff < window)
-        seen = diff >= 0
-    else:
-        in_win = diff.abs() <= window
-        seen = torch.ones_like(in_win)
+    in_win = (diff >= 0) & (diff < window)
     exact_loc = in_win[None] & valid_loc[:, :, None, :] & (kpos >= g)[None, :, None, :]  # [B, nb, C, R]
-    featm_loc = (~in_win & seen)[None] & feat_loc[:, :, None, :]  # [B, nb, C, R]
-
-    # ------------------------------------------------------------ exact logits (window and globals)
     s_loc = (qb @ k_loc.transpose(-1, -2)).masked_fill(~exact_loc[:, None], NEG)  # [B, H, nb, C, R]
     win_max = s_loc.detach().amax(-1).flatten(-2)  # [B, H, L]
     if g > 0:
         qg = F.pad(q, (0, 0, 0, length - n))  # [B, H, L, d]
         s_g = qg @ k[:, :, :g].transpose(-1, -2)  # [B, H, L, g]
-        g_ok = valid[:, None, None, :g]
-        if causal:
-            g_ok = g_ok & (pos[:, None] >= torch.arange(g, device=device))[None, None]
+        g_ok = valid[:, None, None, :g] & (pos[:, None] >= torch.arange(g, device=device))[None, None]
         s_g = s_g.masked_fill(~g_ok, NEG)
         win_max = torch.maximum(win_max, s_g.detach().amax(-1))
-
-    # ------------------------------------------------------------ each part on its own scale
-    # exact terms at m_i (the largest exact logit), feature terms at a_i + c_i; both are
-    # restated at the row's log-normaliser M_i below (see the module docstring)
     m_e = torch.where(torch.isfinite(win_max), win_max, torch.zeros_like(win_max))  # [B, H, L]
-    a_l = F.pad(a, (0, length - n))  # [B, H, L]
-    m_f = a_l + c  # [B, H, L], finite
-    f_on = c_ok.to(q.dtype)  # 0: no feature key yet (causal) or none at all
     e_loc = (s_loc - m_e.unflatten(-1, (nb, c_blk)).unsqueeze(-1)).exp()  # [B, H, nb, C, R], <= 1
-    f_loc = fqb @ fk_loc.transpose(-1, -2)  # [B, H, nb, C, R]
-    if log_space and causal:
-        c_b = c.unflatten(-1, (nb, c_blk))  # [B, H, nb, C]
-        c_kloc = _local(c_b.unsqueeze(-1), True).squeeze(-1)  # [B, H, nb, R]
-        gate = (c_kloc.unsqueeze(-2) - c_b.unsqueeze(-1)).masked_fill(~featm_loc[:, None], NEG)
-        f_loc = f_loc * gate.exp()  # e^{c_j - c_i} <= 1 on feature pairs, 0 elsewhere
-    else:
-        f_loc = f_loc.masked_fill(~featm_loc[:, None], 0.0)
-    f_loc = f_loc * f_on.unflatten(-1, (nb, c_blk)).unsqueeze(-1)
     den_e = e_loc.sum(-1).flatten(2, 3)  # [B, H, L]
-    den_f = f_loc.sum(-1).flatten(2, 3)
     if g > 0:
         e_g = (s_g - m_e.unsqueeze(-1)).exp()  # [B, H, L, g]
         den_e = den_e + e_g.sum(-1)
-
-    # ------------------------------------------------------------ far blocks: per-block sums
-    far = nb > 2 or (causal and nb > 1)
-    if far:
-        if log_space and causal:
-            c_end = c.unflatten(-1, (nb, c_blk))[..., -1]  # [B, H, nb]: c at each block's end
-            restate = (c.unflatten(-1, (nb, c_blk)) - c_end.unsqueeze(-1)).exp()  # [B, H, nb, C] <= 1
-            fk_s = fkb * restate.unsqueeze(-1)
-        else:
-            fk_s = fkb
-        s_blk = fk_s.transpose(-1, -2) @ vb  # [B, H, nb, D, dv]
-        z_blk = fk_s.sum(-2)  # [B, H, nb, D]
-        if causal:
-            far_s, far_z, far_c = _causal_prefix(s_blk, z_blk, c_end if log_space else None)
-        else:
-            pre_s, pre_z = s_blk.cumsum(2), z_blk.cumsum(2)
-            suf_s, suf_z = s_blk.flip(2).cumsum(2).flip(2), z_blk.flip(2).cumsum(2).flip(2)
-            zs, zz = torch.zeros_like(s_blk[:, :, :2]), torch.zeros_like(z_blk[:, :, :2])
-            far_s = torch.cat([zs, pre_s[:, :, :-2]], 2) + torch.cat([suf_s[:, :, 2:], zs], 2)
-            far_z = torch.cat([zz, pre_z[:, :, :-2]], 2) + torch.cat([suf_z[:, :, 2:], zz], 2)
-            far_c = None
-        sf = f_on.unflatten(-1, (nb, c_blk))  # [B, H, nb, C]
-        if far_c is not None:
-            sf = sf * (far_c.unsqueeze(-1) - c.unflatten(-1, (nb, c_blk))).exp()  # gate <= 1
-        far_num = ((fqb @ far_s) * sf.unsqueeze(-1)).flatten(2, 3)  # [B, H, L, dv]
-        den_f = den_f + ((fqb @ far_z.unsqueeze(-1)).squeeze(-1) * sf).flatten(2, 3)
 
     # ------------------------------------------------------------ one log-normaliser per row
     with torch.no_grad():
@@ -273,13 +268,11 @@ def window_attention_blocked(
         cap = 0.5 * math.log(torch.finfo(top.dtype).max)  # e^cap * e^cap stays finite
         w_e = torch.where(den_e > 0, (m_e - top).clamp(max=0.0).exp(), torch.zeros_like(top))  # <= 1
         w_f = (m_f - top).clamp(max=cap).exp()  # [B, H, L]
-    w_loc = e_loc * w_e.unflatten(-1, (nb, c_blk)).unsqueeze(-1) + f_loc * w_f.unflatten(-1, (nb, c_blk)).unsqueeze(-1)
-    num = (w_loc @ v_loc).flatten(2, 3)  # [B, H, L, dv]
+    num = ((e_loc * w_e.unflatten(-1, (nb, c_blk)).unsqueeze(-1)) @ v_loc).flatten(2, 3)  # [B, H, L, dv]
+    num = num + num_f * w_f.unsqueeze(-1)
     den = den_e * w_e + den_f * w_f  # [B, H, L], in [1, 2] for positive maps
     if g > 0:
         num = num + (e_g * w_e.unsqueeze(-1)) @ v[:, :, :g]
-    if far:
-        num = num + far_num * w_f.unsqueeze(-1)
 
     num, den = num[:, :, :n], den[:, :, :n]
     safe = torch.where(den > 0, den, torch.ones_like(den))
@@ -432,57 +425,6 @@ def _noncausal(
     safe = torch.where(den > 0, den, torch.ones_like(den))
     out = num / safe.unsqueeze(-1)
     return torch.where((den > 0).unsqueeze(-1), out, torch.zeros_like(out))
-
-
-def _causal_prefix(
-    s_blk: torch.Tensor, z_blk: torch.Tensor, c_end: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Sums of blocks ``<= b - 2`` for every block ``b`` (causal far part).
-
-    Block sums are stated at the block's end constant ``c_end[b]`` (non-decreasing).
-    Plain maps: an exclusive cumulative sum. Log-space maps: the inclusive prefix
-    :math:`P_b = \\sum_{b' \\le b} e^{c_{b'} - c_b} S_{b'}` (every gate :math:`\\le 1`,
-    nothing later than ``b`` involved) by a two-level scan: inside groups of
-    :math:`L \\approx \\sqrt{n_b}` blocks one ``[L, L]`` gate product, across groups a
-    carry restated by :math:`e^{c_{\\text{prev}} - c_b}`; time
-    :math:`O(n_b L D d_v)`, against :math:`O(n_b^2 D d_v)` for one ``[n_b, n_b]`` gate
-    matrix. Block ``b`` reads :math:`P_{b-2}`, stated at ``c_end[b - 2]``.
-    """
-    nb = s_blk.shape[2]
-    if c_end is None:
-        pre_s, pre_z = s_blk.cumsum(2), z_blk.cumsum(2)
-        zs, zz = torch.zeros_like(s_blk[:, :, :2]), torch.zeros_like(z_blk[:, :, :2])
-        return torch.cat([zs, pre_s[:, :, :-2]], 2), torch.cat([zz, pre_z[:, :, :-2]], 2), None
-    b_, h_, _, d_feat, dv = s_blk.shape
-    sz = torch.cat([s_blk, z_blk.unsqueeze(-1)], dim=-1).flatten(-2)  # [B, H, nb, D (dv + 1)]
-    size = max(1, math.isqrt(nb - 1) + 1) if nb > 1 else 1  # L, about sqrt(nb)
-    extra = -nb % size
-    c = c_end
-    if extra:  # empty blocks at a flat constant change nothing
-        sz = F.pad(sz, (0, 0, 0, extra))
-        c = torch.cat([c, c[..., -1:].expand(b_, h_, extra)], dim=-1)
-    groups = (nb + extra) // size
-    cg = c.unflatten(-1, (groups, size))  # [B, H, G, L]
-    tri = torch.ones(size, size, dtype=torch.bool, device=s_blk.device).tril()
-    gates = (cg.unsqueeze(-2) - cg.unsqueeze(-1)).masked_fill(~tri, NEG).exp()  # [B, H, G, L(b), L(b')]
-    local = gates @ sz.unflatten(2, (groups, size))  # [B, H, G, L, D (dv + 1)]: in-group prefix
-    totals = local[:, :, :, -1].unbind(2)  # each group's in-group prefix at its last block
-    ends = cg[..., -1]  # [B, H, G]: the constant of each group's last block
-    carries = [torch.zeros_like(totals[0])]  # P at the previous group's last block
-    for j in range(1, groups):  # about sqrt(nb) small updates
-        prev = totals[j - 1]
-        if j >= 2:
-            prev = prev + (ends[:, :, j - 2] - ends[:, :, j - 1]).exp().unsqueeze(-1) * carries[j - 1]
-        carries.append(prev)
-    into = torch.stack(carries, dim=2)  # [B, H, G, D (dv + 1)], stated at the previous group's end
-    prev_c = torch.cat([torch.full_like(cg[:, :, :1, -1], NEG), cg[:, :, :-1, -1]], dim=2)  # [B, H, G]
-    restate = (prev_c.unsqueeze(-1) - cg).exp()  # [B, H, G, L], 0 for the first group
-    pre = (local + restate.unsqueeze(-1) * into.unsqueeze(-2)).flatten(2, 3)[:, :, :nb]
-    pre = pre.unflatten(-1, (d_feat, dv + 1))
-    pre_s, pre_z = pre[..., :dv], pre[..., dv]
-    zs, zz = torch.zeros_like(s_blk[:, :, :2]), torch.zeros_like(z_blk[:, :, :2])
-    far_c = torch.cat([torch.full_like(c_end[:, :, :2], NEG), c_end[:, :, :-2]], 2)  # no far block: gate 0
-    return torch.cat([zs, pre_s[:, :, :-2]], 2), torch.cat([zz, pre_z[:, :, :-2]], 2), far_c
 
 
 def window_weights_rows(

@@ -305,25 +305,24 @@ def test_attention_rows_default_is_one_hot_values_and_validates():
 
 
 @pytest.mark.parametrize("nb", [1, 2, 3, 4, 10, 17])
-def test_causal_prefix_two_level_scan_is_the_gated_prefix_sum(nb):
-    """The far part's prefix over blocks against the quadratic formula
-    P_b = sum_{b' <= b} e^{c_{b'} - c_b} S_{b'} (a constant jump of 300 included)."""
-    from kernelattn_hybrid.window import _causal_prefix
-
-    s_blk, z_blk = _rand(2, 3, nb, 4, 5, seed=nb), _rand(2, 3, nb, 4, seed=nb + 1)
-    c = _rand(2, 3, nb, seed=nb + 2).abs().cumsum(-1)
-    c[0, 0, nb // 2 :] += 300.0
-    far_s, far_z, far_c = _causal_prefix(s_blk, z_blk, c)
-    gate = (c.unsqueeze(-2) - c.unsqueeze(-1)).masked_fill(~torch.ones(nb, nb, dtype=torch.bool).tril(), -torch.inf)
-    pre_s = torch.einsum("zhbc,zhcde->zhbde", gate.exp(), s_blk)
-    pre_z = torch.einsum("zhbc,zhcd->zhbd", gate.exp(), z_blk)
-    for b in range(nb):
-        if b < 2:
-            assert not far_s[:, :, b].any() and not far_z[:, :, b].any() and torch.isneginf(far_c[:, :, b]).all()
-        else:
-            torch.testing.assert_close(far_s[:, :, b], pre_s[:, :, b - 2], rtol=1e-12, atol=1e-14)
-            torch.testing.assert_close(far_z[:, :, b], pre_z[:, :, b - 2], rtol=1e-12, atol=1e-14)
-            torch.testing.assert_close(far_c[:, :, b], c[:, :, b - 2])
+def test_causal_feature_part_across_many_blocks_with_a_jump_of_300(nb):
+    """The causal feature part (the engine's causal recurrence over the keys delayed by the
+    window) against the quadratic reference, outputs and gradients, over ``nb`` blocks of 4
+    with a jump of 300 in the key log-features halfway (the stabiliser moves by 300)."""
+    n = 4 * nb
+    q, k, v, pq, pk = (t[:, :2] for t in _problem(n, n, d=3, feats=3, dv=2, seed=nb))
+    pk = pk.clone()
+    pk[0, 0, n // 2 :] += 300.0
+    pq, pk = pq.requires_grad_(), pk.requires_grad_()
+    q, k, v = q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    kw = {"log_space": True, "window": 3, "global_tokens": 1, "causal": True, "key_padding_mask": None}
+    out = window_attention_blocked(q, k, v, pq, pk, block_size=4, **kw)
+    ref = window_attention_naive(q, k, v, pq, pk, **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-11, atol=1e-12)
+    w = _rand(*out.shape, seed=nb + 7)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v, pq, pk))
+    for a, b in zip(grads, torch.autograd.grad((ref * w).sum(), (q, k, v, pq, pk)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 def _opposed(n: int, d: int, norm: float, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
