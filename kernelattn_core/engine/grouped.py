@@ -161,6 +161,24 @@ class _Call:
             state,
         )
 
+    def local_graph(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g0: int,
+        g1: int,
+        state: CausalState | None,
+        need: tuple[bool, ...],
+    ) -> tuple[list[torch.Tensor], CausalInputs]:
+        """The leaves (positions ``[g0, g1)`` of ``q``, ``k``, ``v``, detached; a gradient
+        where ``need`` says) and :meth:`prepare` on them under a local autograd graph, as the
+        forward pass saw it: built by the forward pass of a one-group call, by the backward
+        pass otherwise."""
+        leaves = [_leaf(t, g0, g1, w) for t, w in zip((q, k, v), need)]
+        with torch.enable_grad(), self.replay(q.device):
+            return leaves, self.prepare(*leaves, g0, g1, state)
+
     def num_den_bars(
         self,
         out_bar: tuple[torch.Tensor, ...],
@@ -328,9 +346,7 @@ class _GroupedCausal(torch.autograd.Function):
         for g0, g1 in spans:
             states.append(state)
             if hold:
-                leaves = [_leaf(t, g0, g1, w) for t, w in zip((q, k, v), ctx.needs_input_grad[1:4])]
-                with torch.enable_grad(), call.replay(q.device):
-                    prep = call.prepare(*leaves, g0, g1, state)
+                leaves, prep = call.local_graph(q, k, v, g0, g1, state, ctx.needs_input_grad[1:4])
                 ctx.held = (leaves, prep)
             else:
                 prep = call.prepare(q[:, :, g0:g1], k[:, :, g0:g1], v[:, :, g0:g1], g0, g1, state)
@@ -361,9 +377,7 @@ class _GroupedCausal(torch.autograd.Function):
             if ctx.held is not None:  # the one group's graph, built by the forward pass
                 leaves, prep = ctx.held
             else:
-                leaves = [_leaf(t, g0, g1, w) for t, w in zip((q, k, v), ctx.needs_input_grad[1:4])]
-                with torch.enable_grad(), call.replay(q.device):
-                    prep = call.prepare(*leaves, g0, g1, ctx.states[i])
+                leaves, prep = call.local_graph(q, k, v, g0, g1, ctx.states[i], ctx.needs_input_grad[1:4])
             bad = _bad_output_rows(num, den, g0, g1)  # NaN rows (poisoned) send no gradient back
             num_bar, den_bar, norm_parts = call.num_den_bars(out_bar, num, den, g0, g1, norm_params, bad)
             bars.add(call.n_map, norm_parts)
