@@ -135,6 +135,24 @@ def test_strong_decay_in_float32_stays_finite_and_exact() -> None:
     assert all(bool(torch.isfinite(t.grad).all()) for t in (*leaves, ld))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_zero_gate_does_not_absorb_its_neighbours_decay(dtype: torch.dtype) -> None:
+    """One position's log-decay far below the dtype's exponent range (a gate of exactly 0)
+    inside a chunk of moderate ones: within-chunk cumulated exponents would absorb the
+    neighbours' decays (-1e30 + -0.7 == -1e30, which loses a factor e^-0.7 per neighbour);
+    the core raises it to a floor whose exponential is 0 as well, so outputs and gradients
+    are the position loop's. The loop with the raw value is the reference (it multiplies by
+    e^-1e30 = 0 directly)."""
+    x = _inputs(20, seed=17, dtype=dtype, stabilised=True)
+    x["log_decay"][0, 1, 5] = -1e30
+    x["log_decay"][1, 0, 12] = -1e30
+    fast, ref = _grads(x, _fast(x, 8), True), _grads(x, _naive(x), True)
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    for name, a, b in zip(NAMES, fast, ref, strict=True):
+        assert torch.allclose(a, b, rtol=tol, atol=tol), (name, (a - b).abs().max().item())
+    assert float(fast[NAMES.index("log_decay")][0, 1, 5]) == 0.0  # e^lambda = 0: no gradient
+
+
 def test_moderate_decay_in_float32_matches_float64() -> None:
     x = _inputs(300, seed=13, dtype=torch.float32, stabilised=True)
     out32, _ = causal_linear_attention(x["q"], x["k"], x["v"], x["s0"], x["m"], x["m0"], 64, x["log_decay"])

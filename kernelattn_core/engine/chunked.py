@@ -242,19 +242,16 @@ class _Block:
         if r is not None:
             v_inter.mul_(r.unsqueeze(-1))
         v_bar = torch.baddbmm(v_inter.flatten(0, 2), a.transpose(-1, -2).flatten(0, 2), oc.flatten(0, 2))
-        if self.decayed:  # the output, for decay_bar: o_bar . o needs it
-            inter = qc @ self.states
-            if p is not None:
-                inter.mul_(p.unsqueeze(-1))
-            self.out = torch.baddbmm(inter.flatten(0, 2), a.flatten(0, 2), vc.flatten(0, 2))
         return q_bar, k_bar, v_bar, g_in
 
-    def decay_bar(self, o_bar: torch.Tensor, k_bar: torch.Tensor) -> torch.Tensor:
+    def decay_bar(self, o_bar: torch.Tensor, out: torch.Tensor, k_bar: torch.Tensor) -> torch.Tensor:
         """``[B H n_c, C]``: :math:`\\partial L / \\partial \\Lambda_t = \bar o_t^\top o_t - k_t^\top \bar k_t`
-        (after :meth:`backward`, whose ``k_bar`` it takes)."""
-        oc = o_bar.reshape(self.out.shape)
-        seen = self.out.mul_(oc).masked_fill_(oc == 0, 0.0)  # a row nobody reads gives 0, even if it overflowed
-        return seen.sum(-1) - (k_bar * self.kc.flatten(0, 2)).sum(-1)
+        (after :meth:`backward`, whose ``k_bar`` it takes; ``out`` is the forward pass's output
+        of the group's rows, saved rather than recomputed)."""
+        oc = o_bar.reshape(self.kc.shape[:-1] + o_bar.shape[-1:])
+        # a row nobody reads gives 0, even if it overflowed
+        seen = (out.reshape(oc.shape) * oc).masked_fill_(oc == 0, 0.0)
+        return seen.sum(-1).flatten(0, 2) - (k_bar * self.kc.flatten(0, 2)).sum(-1)
 
 
 def _groups(n: int, chunk: int) -> list[tuple[int, int]]:
@@ -311,9 +308,9 @@ def _core_forward(q, k, v, s0, m, m0, ld, chunk):  # type: ignore[no-untyped-def
     return out, cur, s_in
 
 
-def _core_backward(q, k, v, m, m0, ld, s_in, chunk, o_bar, s_bar):  # type: ignore[no-untyped-def]
+def _core_backward(q, k, v, m, m0, ld, s_in, chunk, o_bar, s_bar, out=None):  # type: ignore[no-untyped-def]
     """Gradients of ``q, k, v``, of the initial state and of ``ld`` (``None`` without a
-    decay; inputs padded to ``chunk``)."""
+    decay, which needs the forward pass's ``out``; inputs padded to ``chunk``)."""
     b, h, n, d_feat = q.shape
     tri = _tri(chunk, q.device)
     groups = _groups(n, chunk)
@@ -329,7 +326,7 @@ def _core_backward(q, k, v, m, m0, ld, s_in, chunk, o_bar, s_bar):  # type: igno
         ob = _rows(o_bar, g0, g1)
         dq, dk, dv_, g_out = blk.backward(ob, g_out)
         if big_bar is not None:
-            big_bar[:, :, g0:g1] = blk.decay_bar(ob, dk).view(b, h, g1 - g0)
+            big_bar[:, :, g0:g1] = blk.decay_bar(ob, _rows(out, g0, g1), dk).view(b, h, g1 - g0)
         q_bar[:, :, g0:g1] = dq.view(b, h, g1 - g0, d_feat)
         k_bar[:, :, g0:g1] = dk.view(b, h, g1 - g0, d_feat)
         v_bar[:, :, g0:g1] = dv_.view(b, h, g1 - g0, -1)
@@ -346,14 +343,16 @@ class _CausalLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, s0, m, m0, ld, chunk):  # type: ignore[no-untyped-def, override]
         out, cur, s_in = _core_forward(q, k, v, s0, m, m0, ld, chunk)
-        ctx.save_for_backward(q, k, v, m, m0, ld, *s_in)  # group boundary states only
+        # group boundary states only; with a decay also the output (the decay's gradient
+        # reads o_t: saving it, O(N dv), spares the backward pass a second forward product)
+        ctx.save_for_backward(q, k, v, m, m0, ld, out if ld is not None else None, *s_in)
         ctx.chunk = chunk
         return out, cur
 
     @staticmethod
     def backward(ctx, o_bar, s_bar):  # type: ignore[no-untyped-def, override]
-        q, k, v, m, m0, ld, *s_in = ctx.saved_tensors
-        q_bar, k_bar, v_bar, s0_bar, ld_bar = _core_backward(q, k, v, m, m0, ld, s_in, ctx.chunk, o_bar, s_bar)
+        q, k, v, m, m0, ld, out, *s_in = ctx.saved_tensors
+        q_bar, k_bar, v_bar, s0_bar, ld_bar = _core_backward(q, k, v, m, m0, ld, s_in, ctx.chunk, o_bar, s_bar, out)
         if ld_bar is not None and not ctx.needs_input_grad[6]:
             ld_bar = None
         return q_bar, k_bar, v_bar, s0_bar, None, None, ld_bar, None
@@ -388,7 +387,12 @@ def _checked_decay(log_decay: torch.Tensor | None, q: torch.Tensor) -> torch.Ten
         raise InputError(
             f"log_decay: expected finite values <= 0 (the log of a decay in (0, 1]), got {bad.flatten()[0].item()!r}"
         )
-    return log_decay.to(q.dtype).contiguous()
+    # a log-decay below the dtype's exponent range is a decay of exactly 0 (e^-800 in float64,
+    # e^-120 in float32 are 0): raise it to that floor, which changes no value and no
+    # gradient (both carry the factor e^lambda = 0), so that the cumulated exponents stay
+    # where the small log-decays beside it are not absorbed (-1e308 + -0.7 == -1e308)
+    floor = -800.0 if q.dtype == torch.float64 else -120.0
+    return log_decay.to(q.dtype).clamp_min(floor).contiguous()
 
 
 def _traced(q, k, v, s0, m, m0, ld, chunk):  # type: ignore[no-untyped-def]

@@ -173,18 +173,23 @@ def gated_sums_state(
     if n == 0:
         return phi_q.new_zeros(b, h, 0, dv), phi_q.new_zeros(b, h, 0), GateState(s0, length, carried)
     skip = _skipped(log_g, key_padding_mask)
-    bad = ~(torch.isfinite(phi_k).all(-1) & torch.isfinite(v).all(-1) & torch.isfinite(log_g))  # [B, H, N]
-    if skip is not None:
-        bad = bad & ~skip
     poison = None
-    if bool(bad.any()):
-        poison = bad.cumsum(-1) > 0  # [B, H, N]: rows at or after a non-finite position
-        skip = bad if skip is None else skip | bad
-        carried = bad.any(-1) if carried is None else carried | bad.any(-1)
-    bad_q = ~torch.isfinite(phi_q).all(-1)  # [B, H, N]: a non-finite query spoils its own row only
-    if bool(bad_q.any()):
-        phi_q = phi_q.masked_fill(bad_q.unsqueeze(-1), 0.0)  # kept out of the products (and gradients)
-        poison = bad_q if poison is None else poison | bad_q
+    # one reduction decides whether the rows must be scanned: a NaN or an infinity anywhere
+    # makes the sum non-finite (so does an overflowing sum of finite values: then the scan
+    # below finds nothing); the elementwise scans cost as much as the recurrence's products
+    total = phi_q.detach().sum() + phi_k.detach().sum() + v.detach().sum() + log_g.detach().sum()
+    if not bool(torch.isfinite(total)):
+        bad = ~(torch.isfinite(phi_k).all(-1) & torch.isfinite(v).all(-1) & torch.isfinite(log_g))  # [B, H, N]
+        if skip is not None:
+            bad = bad & ~skip
+        if bool(bad.any()):
+            poison = bad.cumsum(-1) > 0  # [B, H, N]: rows at or after a non-finite position
+            skip = bad if skip is None else skip | bad
+            carried = bad.any(-1) if carried is None else carried | bad.any(-1)
+        bad_q = ~torch.isfinite(phi_q).all(-1)  # [B, H, N]: a non-finite query spoils its own row only
+        if bool(bad_q.any()):
+            phi_q = phi_q.masked_fill(bad_q.unsqueeze(-1), 0.0)  # kept out of the products (and gradients)
+            poison = bad_q if poison is None else poison | bad_q
     if state is not None and state.poisoned is not None:  # consumed by an earlier call
         earlier = state.poisoned[..., None].expand(b, h, n)
         poison = earlier if poison is None else poison | earlier

@@ -180,6 +180,30 @@ def test_non_finite_later_positions_poison_only_later_rows() -> None:
     assert torch.equal(ref_num.isnan(), num.isnan())
 
 
+def test_non_finite_query_spoils_its_row_and_overflowing_sums_spoil_nothing() -> None:
+    """The one-reduction finiteness test: an infinite query feature makes its own row NaN and
+    no other; finite gates whose *sum* overflows (-1e308 twice in float64) send the call to
+    the row scan, which finds nothing to poison (negative control for the shortcut)."""
+    from kernelattn_fourier.gate import gated_sums_naive
+
+    phi_q, phi_k, v, log_g = _inputs(n=9)
+    base_num, _ = gated_sums(phi_q, phi_k, v, log_g, chunk_size=4)
+    q2 = phi_q.clone()
+    q2[1, 0, 3, 2] = float("inf")
+    num, _ = gated_sums(q2, phi_k, v, log_g, chunk_size=4)
+    spoiled = num.isnan().any(-1)
+    assert bool(spoiled[1, 0, 3]) and int(spoiled.sum()) == 1
+    lg = log_g.clone()  # finite gates (g = e^-1e308 = 0 exactly: the state is forgotten) whose sum is not
+    lg[0, 0, 1], lg[0, 0, 6] = -1e308, -1e308  # in different chunks of 4
+    assert not bool(torch.isfinite(lg.sum()))
+    num, den = gated_sums(phi_q, phi_k, v, lg, chunk_size=4)
+    ref_num, ref_den = gated_sums_naive(phi_q, phi_k, v, lg)
+    assert bool(torch.isfinite(num).all()) and bool(torch.isfinite(den).all())
+    torch.testing.assert_close(num, ref_num)
+    torch.testing.assert_close(den, ref_den)
+    torch.testing.assert_close(num[1], base_num[1], rtol=0, atol=0)
+
+
 def _graph_size(n: int) -> int:
     phi_q, phi_k, v, log_g = (t.requires_grad_() for t in _inputs(b=1, h=1, n=n, d=4, dv=2))
     num, _ = gated_sums(phi_q, phi_k, v, log_g, chunk_size=16)
