@@ -84,7 +84,8 @@ import torch.distributed as dist
 
 from .builtins.estimators import FeatureMapAttention
 from .engine.backends import Problem, attend_features, select_backend
-from .engine.torch_backend import non_finite_query_rows, prepare_causal, quarantine_keys, query_side
+from .engine.chunked import prepare_causal, query_side
+from .engine.torch_backend import non_finite_query_rows, quarantine_keys
 from .errors import InputError, KernelAttnError
 from .validation import check_key_padding_mask, check_qkv
 

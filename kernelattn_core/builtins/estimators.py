@@ -16,8 +16,8 @@ from ..engine.backends import (
     preferred_backend,
     select_backend,
 )
+from ..engine.chunked import CausalState, compute_dtype
 from ..engine.naive import allowed_pairs, isolated_pre, isolated_rows, poison_rows, quarantine_non_finite
-from ..engine.torch_backend import CausalState, compute_dtype
 from ..errors import InputError
 from ..interfaces.estimator import AttentionEstimator
 from ..interfaces.feature_map import FeatureMap

@@ -4,7 +4,7 @@ layers hold each estimator's recurrent state instead of every key and value.
 A converted layer (:mod:`kernelattn_core.convert.decoder`) decodes with its estimator's
 ``step``: feature-map attention keeps the running sums :math:`S = \\sum_j \\phi_k(k_j)
 v_j^\\top` and :math:`z = \\sum_j \\phi_k(k_j)`, the stabiliser of log-space maps and the
-poisoned flag (:class:`~kernelattn_core.engine.torch_backend.CausalState`);
+poisoned flag (:class:`~kernelattn_core.engine.chunked.CausalState`);
 ``sliding-window`` a ring buffer of the last ``w`` keys and values plus the feature state
 of everything older; ``rfa-gate`` its gated sums. None of these grows with the context,
 so ``model.generate()`` runs in memory independent of the context length. An estimator

@@ -17,7 +17,7 @@ attention is :mod:`kernelattn_core.distributed`.
 from typing import Any
 
 from .backends import Backend, Problem, backends, register_backend, select_backend
-from .torch_backend import CausalState
+from .chunked import CausalState
 
 __all__ = ["Backend", "CausalState", "Problem", "backends", "register_backend", "select_backend"]
 

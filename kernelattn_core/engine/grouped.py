@@ -6,9 +6,9 @@ used and dropped before the next group's. No ``[B, H, N, D]`` feature tensor is 
 formed, in the forward pass or in the backward pass:
 
 * **Forward.** Causal: the groups run in order, each continuing the
-  :class:`~kernelattn_core.engine.torch_backend.CausalState` of the previous one, the
-  code that decoding runs (:func:`~kernelattn_core.engine.torch_backend.prepare_causal`,
-  the chunked core, :func:`~kernelattn_core.engine.torch_backend.finish_causal`), so the
+  :class:`~kernelattn_core.engine.chunked.CausalState` of the previous one, the
+  code that decoding runs (:func:`~kernelattn_core.engine.chunked.prepare_causal`,
+  the chunked core, :func:`~kernelattn_core.engine.chunked.finish_causal`), so the
   result is the one causal call's, prefix stabiliser and non-finite isolation included.
   Non-causal: one pass over the key groups accumulates
   :math:`S = \\sum_j \\hat\\phi_k(k_j) v_j^\\top` and :math:`z = \\sum_j \\hat\\phi_k(k_j)` at
@@ -62,7 +62,7 @@ only) and take their trainable tensors from ``parameters()``; both are part of t
 the map, so a padded position's own gradient is exactly 0 whatever it holds; a non-finite
 input row never reaches the map either (:meth:`~kernelattn_core.interfaces.FeatureMap.raw_features`
 gives it a NaN row with zero gradient). Non-finite keys and query rows are quarantined in
-both forms: the causal one by :func:`~kernelattn_core.engine.torch_backend.prepare_causal`,
+both forms: the causal one by :func:`~kernelattn_core.engine.chunked.prepare_causal`,
 the non-causal one by :func:`~kernelattn_core.engine.torch_backend.quarantine_keys` (a
 head holding such a key has every row NaN) and a check of each group's denominators (a
 non-finite query row); in the backward pass a row whose output is not finite sends no
@@ -79,18 +79,18 @@ from typing import Any
 import torch
 
 from ..errors import InputError
-from .chunked import DEFAULT_CHUNK, causal_linear_attention_backward, causal_linear_attention_forward
-from .torch_backend import (
+from .chunked import (
+    DEFAULT_CHUNK,
     CausalInputs,
     CausalState,
+    causal_linear_attention_backward,
+    causal_linear_attention_forward,
     compute_dtype,
-    feature_attention_torch,
     finish_causal,
-    non_finite_query_rows,
     prepare_causal,
-    quarantine_keys,
     query_side,
 )
+from .torch_backend import feature_attention_torch, non_finite_query_rows, quarantine_keys
 
 #: bytes of one ``[B, H, G, D]`` feature block; the work space of a group (forward and
 #: backward) is about 12 such blocks. Chosen by measurement (causal, B = 1, H = 4,
@@ -597,7 +597,7 @@ def grouped_feature_attention(
     Equal to :func:`~kernelattn_core.engine.torch_backend.feature_attention_torch` on the
     features of ``scale * q`` and ``scale * k`` (then ``normalizer.normalize``), on
     outputs and gradients, with or without autograd. Computed in
-    :func:`~kernelattn_core.engine.torch_backend.compute_dtype` (float32 for half
+    :func:`~kernelattn_core.engine.chunked.compute_dtype` (float32 for half
     inputs) with autocast off.
 
     Parameters

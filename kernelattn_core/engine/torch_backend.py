@@ -68,79 +68,20 @@ float16) and the caller casts the output back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 
-from .chunked import DEFAULT_CHUNK, causal_linear_attention
+from .chunked import (  # noqa: F401 - CausalInputs, query_side, _bad_rows: re-exported (moved to chunked.py)
+    DEFAULT_CHUNK,
+    CausalInputs,
+    CausalState,
+    _bad_rows,
+    causal_linear_attention,
+    compute_dtype,
+    finish_causal,
+    prepare_causal,
+    query_side,
+)
 from .naive import non_finite_rows
-
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half types, else the dtype itself."""
-    return torch.float32 if dtype in _HALF else dtype
-
-
-def query_side(phi_q: torch.Tensor, log_space: bool, top: torch.Tensor | None = None) -> torch.Tensor:
-    """Query features for the products: ``phi_q`` itself, or for log-space maps
-    :math:`e^{l_q - \\max_D l_q}` (a per-query constant that cancels in the ratio; a row
-    of ``-inf`` gives zero features). ``top [B, H, N]``: the row maxima, when known."""
-    if not log_space:
-        return phi_q
-    if top is None:
-        top = phi_q.detach().amax(-1)  # per-query constant: cancels
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).unsqueeze(-1)  # a row of -inf: features 0
-    return (phi_q - top).exp_()
-
-
-def _bad_rows(x: torch.Tensor, log_space: bool) -> torch.Tensor:
-    """``[B, H, N]``: rows holding NaN or inf (``-inf`` is a valid log-feature: feature 0)."""
-    if log_space:
-        return (torch.isnan(x) | torch.isposinf(x)).any(-1)
-    return ~torch.isfinite(x).all(-1)
-
-
-@dataclass
-class CausalState:
-    """What causal feature-map attention carries from one call to the next (decoding,
-    or from one rank to the next in a sequence-parallel split).
-
-    Attributes
-    ----------
-    kv : Tensor ``[B, H, D, dv]``
-        :math:`\\sum_{j} \\hat\\phi_k(k_j) v_j^\\top` over every key seen so far.
-    z : Tensor ``[B, H, D]``
-        :math:`\\sum_{j} \\hat\\phi_k(k_j)`, the normaliser's running sum.
-    m : Tensor ``[B, H, 1]`` or None
-        For log-space maps, the stabiliser the sums are stated at (the running maximum
-        of the key log-features, ``-inf`` while no key has been seen); ``None`` for
-        plain features.
-    length : int
-        Number of positions consumed.
-
-    poisoned : Tensor ``[B, H]`` of bool, optional
-        Set once a non-finite key or value was consumed: every later row is NaN.
-    owner : StateOwner, optional
-        The estimator, options, batch, heads and widths that made it (set by ``step``).
-
-    ``kv`` and ``z`` are differentiable: gradients flow through a state passed to the
-    next call back into the keys and values that made it.
-    """
-
-    kv: torch.Tensor
-    z: torch.Tensor
-    m: torch.Tensor | None
-    length: int
-    #: ``[B, H]``: a non-finite key or value the rows may see was consumed (every later
-    #: row is NaN, as in exact attention); ``None`` when none was
-    poisoned: torch.Tensor | None = None
-    #: who made the state (:class:`~kernelattn_core.interfaces.state.StateOwner`), set by
-    #: an estimator's ``step``, which refuses a state of another owner; ``None`` for a
-    #: state made by the engine's functions directly
-    owner: Any = None
 
 
 def feature_attention_torch(
@@ -237,137 +178,6 @@ def non_finite_query_rows(den: torch.Tensor, poisoned: torch.Tensor | None) -> t
     if poisoned is not None:
         bad = bad | poisoned.unsqueeze(-1)
     return bad if bool(bad.any()) else None
-
-
-@dataclass
-class CausalInputs:
-    """What the causal core consumes, prepared from one call's features
-    (:func:`prepare_causal`), and what the call's end needs.
-
-    Attributes
-    ----------
-    fq, fk : Tensor ``[B, H, N, D]``
-        Query features at their per-row constant, key features at the prefix stabiliser
-        (log space) or as given; dropped keys and non-finite query rows are 0.
-    v1 : Tensor ``[B, H, N, dv + 1]``
-        Values (dropped ones 0) with a column of ones.
-    s0 : Tensor ``[B, H, D, dv + 1]``
-        The incoming state (zeros without one).
-    m, m0 : Tensor ``[B, H, N]``, ``[B, H, 1]`` or None
-        The stabiliser and the one ``s0`` is stated at (log space).
-    m_out : Tensor ``[B, H, 1]`` or None
-        The raw prefix maximum after the last position (``-inf`` while no key was seen),
-        for the outgoing state.
-    m_raw : Tensor ``[B, H, N]`` or None
-        The raw prefix maximum at every position (``-inf`` before the first key), of which
-        ``m`` fills the leading ``-inf`` (sequence parallelism restates rows with it).
-    poison : Tensor ``[B, H, N]`` of bool or None
-        Rows that see a non-finite value (set to NaN at the end).
-    carried : Tensor ``[B, H]`` of bool or None
-        The outgoing state's ``poisoned`` flag.
-    """
-
-    fq: torch.Tensor
-    fk: torch.Tensor
-    v1: torch.Tensor
-    s0: torch.Tensor
-    m: torch.Tensor | None
-    m0: torch.Tensor | None
-    m_out: torch.Tensor | None
-    poison: torch.Tensor | None
-    carried: torch.Tensor | None
-    m_raw: torch.Tensor | None = None
-
-
-def prepare_causal(
-    phi_q: torch.Tensor,
-    phi_k: torch.Tensor,
-    v: torch.Tensor,
-    log_space: bool,
-    key_padding_mask: torch.Tensor | None,
-    state: CausalState | None,
-) -> CausalInputs:
-    """The causal core's inputs from features (differentiable in ``phi_q``, ``phi_k``,
-    ``v`` and the state): masks applied, non-finite rows quarantined, stabilisers
-    continued from ``state`` (see the module docstring)."""
-    b, h, n, d_feat = phi_q.shape
-    dv = v.shape[-1]
-    drop = None if key_padding_mask is None else key_padding_mask[:, None, :]  # [B, 1, N]
-    poison = None
-    carried = None if state is None else state.poisoned  # [B, H]: consumed by an earlier call
-    # one reduction decides whether a non-finite value could leak through 0 * NaN; in log
-    # space the row maxima (needed for the stabilisers anyway) hold NaN or +inf exactly
-    # for the rows that hold one, so only [B, H, N] is scanned
-    vv = v if drop is None else v.masked_fill(drop.unsqueeze(-1), 0.0)
-    top_q = top_k = None
-    if log_space:
-        top_q, top_k = phi_q.detach().amax(-1), phi_k.detach().amax(-1)  # [B, H, N]
-        if drop is not None:
-            top_k = top_k.masked_fill(drop, float("-inf"))
-        tops = torch.cat([top_q, top_k], dim=-1)
-        bad = torch.isnan(tops).any() | torch.isposinf(tops).any() | ~torch.isfinite(vv.detach().sum())
-    else:
-        vk = phi_k if drop is None else phi_k.masked_fill(drop.unsqueeze(-1), 0.0)
-        bad = ~torch.isfinite(phi_q.detach().sum() + vk.detach().sum() + vv.detach().sum())
-    bad = bool(bad)
-    if bad:
-        vk = phi_k if drop is None else phi_k.masked_fill(drop.unsqueeze(-1), 0.0)
-        bad_k = _bad_rows(vk.detach(), log_space) | _bad_rows(vv.detach(), False)  # [B, H, N]
-        bad_q = _bad_rows(phi_q.detach(), log_space)
-        drop = bad_k if drop is None else drop | bad_k
-        phi_q = phi_q.masked_fill(bad_q.unsqueeze(-1), 0.0)
-        poison = bad_k.cummax(-1).values | bad_q  # rows that legitimately see them
-        carried = bad_k.any(-1) if carried is None else carried | bad_k.any(-1)
-        top_q = top_k = None  # recomputed from the cleaned rows
-    if state is not None and state.poisoned is not None:  # an earlier call consumed one
-        earlier = state.poisoned[..., None].expand(b, h, n)
-        poison = earlier if poison is None else poison | earlier
-    if bad:  # the dropped keys grew: mask the values again
-        v = v.masked_fill(drop.unsqueeze(-1), 0.0)  # type: ignore[union-attr]
-    else:
-        v = vv
-    fq = query_side(phi_q, log_space, top_q)  # [B, H, N, D]
-    m = m0 = m_out = m_raw = None
-    if log_space:
-        lk = phi_k if drop is None else phi_k.masked_fill(drop.unsqueeze(-1), float("-inf"))
-        m_raw = lk.detach().amax(-1) if top_k is None else top_k  # [B, H, N]
-        if state is not None and state.m is not None:
-            m_raw = torch.maximum(m_raw, state.m)  # the prefix continues from earlier calls
-        m_raw = m_raw.cummax(-1).values  # prefix maximum: causal; -inf before the first key
-        m_out = m_raw[..., -1:]
-        # positions before the first valid key get the first finite value (their rows are
-        # exactly zero whatever m is, and m stays non-decreasing)
-        finite = torch.isfinite(m_raw)
-        first = torch.where(finite, m_raw, torch.full_like(m_raw, float("inf"))).amin(-1, keepdim=True)
-        first = torch.where(torch.isfinite(first), first, torch.zeros_like(first))
-        m = torch.where(finite, m_raw, first)
-        fk = (lk - m.unsqueeze(-1)).exp_()  # [B, H, N, D], entries <= 1, dropped keys 0
-        m0 = m[..., :1]
-        if state is not None and state.m is not None:
-            m0 = torch.where(torch.isfinite(state.m), state.m, m0)
-    else:
-        fk = phi_k if drop is None else phi_k.masked_fill(drop.unsqueeze(-1), 0.0)
-    v1 = torch.cat([v, v.new_ones(b, h, n, 1)], dim=-1)  # [B, H, N, dv + 1]
-    if state is None:
-        s0 = fq.new_zeros(b, h, d_feat, dv + 1)
-    else:
-        s0 = torch.cat([state.kv.to(fq.dtype), state.z.to(fq.dtype).unsqueeze(-1)], dim=-1)
-    return CausalInputs(fq, fk, v1, s0, m, m0, m_out, poison, carried, m_raw if log_space else None)
-
-
-def finish_causal(
-    out: torch.Tensor, s_final: torch.Tensor, prep: CausalInputs, state: CausalState | None
-) -> tuple[torch.Tensor, torch.Tensor, CausalState]:
-    """Numerator, denominator (poisoned rows NaN) and the outgoing state of the core's
-    output ``[B, H, N, dv + 1]`` and final state."""
-    dv = out.shape[-1] - 1
-    num, den = out.split([dv, 1], dim=-1)  # one backward (a cat) instead of two zero-filled slices
-    den = den.squeeze(-1)
-    if prep.poison is not None:
-        num = num.masked_fill(prep.poison.unsqueeze(-1), float("nan"))
-        den = den.masked_fill(prep.poison, float("nan"))
-    length = (0 if state is None else state.length) + out.shape[2]
-    return num, den, CausalState(s_final[..., :dv], s_final[..., dv], prep.m_out, length, prep.carried)
 
 
 def _causal(

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .torch_backend import compute_dtype
+from .chunked import compute_dtype
 
 #: positions per chunk of the traced causal form
 TRACED_CHUNK = 64
@@ -71,7 +71,7 @@ def traced_feature_attention(
     """``normalizer.normalize(num, den)`` of feature-map attention on ``scale * q`` and
     ``scale * k`` (``[B, H, N, d]``, ``[B, H, M, d]``, values ``[B, H, M, dv]``), traced
     without graph breaks (module docstring). Computed in
-    :func:`~kernelattn_core.engine.torch_backend.compute_dtype`; the caller casts back."""
+    :func:`~kernelattn_core.engine.chunked.compute_dtype`; the caller casts back."""
     fm = feature_map
     log_space = bool(fm.log_space)
     dtype = compute_dtype(q.dtype)

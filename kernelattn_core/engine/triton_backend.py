@@ -57,8 +57,8 @@ from ..errors import InputError
 from ..interfaces.feature_map import FusedFeatureSpec
 from . import triton_config as C
 from . import triton_kernels as K
+from .chunked import CausalState
 from .launch import BackendLaunchError, BackendWarning, fallback_allowed
-from .torch_backend import CausalState
 
 tl = K.triton.language
 
