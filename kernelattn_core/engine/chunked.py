@@ -494,7 +494,10 @@ def causal_linear_attention(
     log_decay : Tensor ``[B, H, N]`` or None
         :math:`\\lambda_t \\le 0`, finite: the state is multiplied by :math:`e^{\\lambda_t}`
         before position ``t``'s key is added (gated linear attention, RFA-Gate's
-        :math:`\\log g_t`); ``None``: no decay. Differentiable.
+        :math:`\\log g_t`); ``None``: no decay. Differentiable. Values below ``-800``
+        (float64) or ``-120`` (other dtypes), whose exponential is 0 in the dtype, are
+        raised to that floor (same value, same zero gradient; cumulated exponents then
+        keep the small decays beside them).
 
     Returns
     -------

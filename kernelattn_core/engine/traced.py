@@ -16,7 +16,9 @@ eval, and Inductor fuses the masks into the surrounding kernels.
   non-finite key (causal: the later rows of its head; non-causal: every row of its head)
   and non-finite query rows are NaN at the end: the eager engine's rule, with the same
   zero gradients for the finite rows.
-* **Causal form.** Chunks of ``C`` positions: inside a chunk the gated product
+* **Causal form.** The engine's one causal recurrence in its compile form
+  (:func:`~kernelattn_core.engine.chunked.causal_linear_attention` under ``torch.compile``),
+  fed the keys stated at their prefix maximum. Chunks of ``C`` positions: inside a chunk the gated product
   :math:`A_{tj} = [j \\le t]\\, e^{m_j - m_t} \\hat\\phi_q(q_t)^\\top \\hat\\phi_k(k_j)`; across
   chunks the states
   :math:`S_c = \\sum_{c' < c} e^{M_{c'} - M_{c-1}} U_{c'}` from one ``[n_c, n_c]`` gate
@@ -24,7 +26,7 @@ eval, and Inductor fuses the masks into the surrounding kernels.
   :math:`U_c = \\sum_{j \\in c} e^{m_j - M_c} \\hat\\phi_k(k_j) \\tilde v_j^\\top`, where
   :math:`m` is the prefix maximum of the key log-features and :math:`M_c` its value at the
   end of chunk ``c`` (the causal-safe stabiliser of
-  :mod:`kernelattn_core.engine.torch_backend`). Time :math:`O(N C D + n_c^2 D d_v)`, memory
+  :mod:`kernelattn_core.engine.chunked`). Time :math:`O(N C D + n_c^2 D d_v)`, memory
   :math:`O(N D + n_c D d_v)`; the eager engine keeps :math:`O(N / G)` states instead and
   recomputes the features in its backward pass.
 
@@ -38,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .chunked import compute_dtype
+from .chunked import _traced, compute_dtype
 
 #: positions per chunk of the traced causal form
 TRACED_CHUNK = 64
@@ -115,46 +117,21 @@ def traced_feature_attention(
 
 def _causal(fq: torch.Tensor, lk: torch.Tensor, v1: torch.Tensor, log_space: bool, chunk: int) -> torch.Tensor:
     """``[B, H, N, dv + 1]``: :math:`\\sum_{j \\le t} \\hat\\phi_q(q_t)^\\top \\hat\\phi_k(k_j) \\tilde v_j`
-    with the prefix stabiliser, chunk by chunk (module docstring). ``lk``: key
-    log-features (dropped keys ``-inf``) or plain features (dropped keys 0)."""
-    b, h, n, d_feat = fq.shape
-    e = v1.shape[-1]
-    c = max(1, min(chunk, n))
-    extra = -n % c
-    if extra:  # zero queries and dropped keys after the end change nothing
-        fq = torch.nn.functional.pad(fq, (0, 0, 0, extra))
-        lk = torch.nn.functional.pad(lk, (0, 0, 0, extra), value=float("-inf") if log_space else 0.0)
-        v1 = torch.nn.functional.pad(v1, (0, 0, 0, extra))
-    nc = (n + extra) // c
-    tri = torch.ones(c, c, dtype=torch.bool, device=fq.device).tril()
-    if log_space:
-        raw = lk.detach().amax(-1).cummax(-1).values  # [B, H, L]: prefix maximum, -inf before the first key
-        finite = torch.isfinite(raw)
-        first = torch.where(finite, raw, torch.full_like(raw, float("inf"))).amin(-1, keepdim=True)
-        first = torch.where(torch.isfinite(first), first, torch.zeros_like(first))
-        mk = torch.where(finite, raw, first)  # [B, H, L], non-decreasing, finite
-        fk = (lk - mk.unsqueeze(-1)).exp()  # [B, H, L, D], <= 1, dropped keys 0
-        mc = mk.unflatten(-1, (nc, c))  # [B, H, nc, C]
-        m_end = mc[..., -1]  # [B, H, nc]: M_c
-        m_prev = torch.cat([mc[..., :1, 0], m_end[..., :-1]], dim=-1)  # [B, H, nc]: M_{c-1} (M_{-1}: any)
-        gate = (mc.unsqueeze(-2) - mc.unsqueeze(-1)).masked_fill(~tri, float("-inf")).exp()  # [.., C(t), C(j)]
-        restate = (mc - m_end.unsqueeze(-1)).exp()  # [B, H, nc, C]: e^{m_j - M_c}
-        into = (m_prev.unsqueeze(-1) - mc).exp()  # [B, H, nc, C]: e^{M_{c-1} - m_t}
-        cross = m_end.unsqueeze(-2) - m_prev.unsqueeze(-1)  # [B, H, nc(c), nc(c')]: M_c' - M_{c-1}
-    else:
-        fk = lk
-        gate = tri.to(fq.dtype)
-        restate = into = None
-        cross = torch.zeros(b, h, nc, nc, dtype=fq.dtype, device=fq.device)
-    strict = torch.ones(nc, nc, dtype=torch.bool, device=fq.device).tril(-1)
-    gamma = cross.masked_fill(~strict, float("-inf")).exp()  # [B, H, nc, nc]: c' < c
-    qc, kc, vc = fq.unflatten(2, (nc, c)), fk.unflatten(2, (nc, c)), v1.unflatten(2, (nc, c))
-    local = ((qc @ kc.transpose(-1, -2)) * gate) @ vc  # [B, H, nc, C, e]
-    kr = kc if restate is None else kc * restate.unsqueeze(-1)
-    u = (kr.transpose(-1, -2) @ vc).flatten(-2)  # [B, H, nc, D e]
-    states = (gamma @ u).unflatten(-1, (d_feat, e))  # [B, H, nc, D, e]: S_c before chunk c
-    inter = qc @ states  # [B, H, nc, C, e]
-    if into is not None:
-        inter = inter * into.unsqueeze(-1)
-    out = (local + inter).flatten(2, 3)  # [B, H, L, e]
-    return out[:, :, :n]
+    with the prefix stabiliser (module docstring). ``lk``: key log-features (dropped keys
+    ``-inf``) or plain features (dropped keys 0). The recurrence is the engine's one causal
+    core in its compile form (:func:`kernelattn_core.engine.chunked.causal_linear_attention`
+    under ``torch.compile``: every chunk gated, the states from one ``[n_c, n_c]`` decay
+    matrix, no loop); this function only states the keys at the prefix maximum."""
+    b, h, _, d_feat = fq.shape
+    s0 = fq.new_zeros(b, h, d_feat, v1.shape[-1])
+    if not log_space:
+        out, _ = _traced(fq, lk, v1, s0, None, None, None, chunk)
+        return out
+    raw = lk.detach().amax(-1).cummax(-1).values  # [B, H, N]: prefix maximum, -inf before the first key
+    finite = torch.isfinite(raw)
+    first = torch.where(finite, raw, torch.full_like(raw, float("inf"))).amin(-1, keepdim=True)
+    first = torch.where(torch.isfinite(first), first, torch.zeros_like(first))
+    mk = torch.where(finite, raw, first)  # [B, H, N], non-decreasing, finite
+    fk = (lk - mk.unsqueeze(-1)).exp()  # [B, H, N, D], <= 1, dropped keys 0
+    out, _ = _traced(fq, fk, v1, s0, mk, mk[..., :1], None, chunk)
+    return out
