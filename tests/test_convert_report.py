@@ -253,7 +253,7 @@ def test_adapters_refuse_torch_attention_modules() -> None:
     layer = torch.nn.TransformerEncoderLayer(8, 2, batch_first=True)
     student = convert_attention(torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False), "elu")
     batch = {"input_ids": torch.zeros(1, 3, dtype=torch.long), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
-    with pytest.raises(ka.InputError, match="lora_rank: adapters are for Hugging Face layers"):
+    with pytest.raises(ka.InputError, match="lora_rank: adapters go on Hugging Face layers' q/k/v projections"):
         finetune_end_to_end(student, student, [batch], steps=1, lora_rank=2)
 
 

@@ -40,6 +40,7 @@ from torch import nn
 from ..errors import InputError
 from ..validation import check_positive_int
 from .distill import _Bar
+from .lora import ENCODER_TARGETS, attach_adapters, detach_adapters
 
 
 @dataclass
@@ -70,56 +71,6 @@ class EndToEndReport:
     best_step: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
     seconds: float = 0.0
-
-
-class LoRALinear(nn.Module):
-    """``base(x) + (alpha / r) x A^T B^T`` with ``A [r, in]`` (Kaiming-like, seeded) and
-    ``B [out, r] = 0``; :meth:`merged` folds the adapter into a plain :class:`~torch.nn.Linear`."""
-
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, generator: torch.Generator) -> None:
-        super().__init__()
-        self.base = base
-        self.scale = alpha / rank
-        w = base.weight
-        a = torch.randn(rank, w.shape[1], generator=generator, dtype=torch.float64) / math.sqrt(w.shape[1])
-        self.lora_a = nn.Parameter(a.to(device=w.device, dtype=w.dtype))
-        self.lora_b = nn.Parameter(torch.zeros(w.shape[0], rank, device=w.device, dtype=w.dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + (x @ self.lora_a.T @ self.lora_b.T) * self.scale
-
-    @torch.no_grad()
-    def merged(self) -> nn.Linear:
-        """The base layer with :math:`W + (\\alpha / r) B A` (the base is updated in place)."""
-        self.base.weight += (self.lora_b @ self.lora_a) * self.scale
-        return self.base
-
-
-_LORA_TARGETS = ("query", "key", "value", "q_lin", "k_lin", "v_lin")
-
-
-def _attach_lora(student: nn.Module, rank: int, alpha: float, seed: int) -> list[tuple[nn.Module, str, LoRALinear]]:
-    from .attention import converted_modules
-
-    gen = torch.Generator().manual_seed(seed)
-    attached = []
-    for name, module in converted_modules(student):
-        found = [t for t in _LORA_TARGETS if isinstance(getattr(module, t, None), nn.Linear)]
-        if not found:
-            raise InputError(
-                f"lora_rank: adapters are for Hugging Face layers (query/key/value projections); {name!r} is a "
-                f"{type(module).__name__} (use lora_rank=0)"
-            )
-        for target in found:
-            wrapped = LoRALinear(getattr(module, target), rank, alpha, gen)
-            setattr(module, target, wrapped)
-            attached.append((module, target, wrapped))
-    return attached
-
-
-def _detach_lora(attached: list[tuple[nn.Module, str, LoRALinear]], merge: bool) -> None:
-    for module, target, wrapped in attached:
-        setattr(module, target, wrapped.merged() if merge else wrapped.base)
 
 
 def _hidden(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -243,7 +194,9 @@ def finetune_end_to_end(
     flags = {p: p.requires_grad for p in student.parameters()}
     for p in student.parameters():
         p.requires_grad_(False)
-    attached = _attach_lora(student, lora_rank, float(lora_alpha or lora_rank), seed) if lora_rank else []
+    attached = (
+        attach_adapters(student, lora_rank, float(lora_alpha or lora_rank), seed, ENCODER_TARGETS) if lora_rank else []
+    )
     params = [p for _, m in converted_modules(student) for p in m.estimator.parameters() if flags.get(p, False)]
     params += [p for _, _, w in attached for p in (w.lora_a, w.lora_b)]
     for p in params:
@@ -299,12 +252,12 @@ def finetune_end_to_end(
             for p, v in zip(params, best_values):
                 p.copy_(v)
         report.loss_after = best
-        _detach_lora(attached, merge=True)
+        detach_adapters(attached, merge=True)
         merged = True
     finally:
         bar.close()
         if not merged:
-            _detach_lora(attached, merge=False)
+            detach_adapters(attached, merge=False)
         for p, flag in flags.items():
             p.requires_grad_(flag)
         student.train(modes[0])

@@ -28,6 +28,12 @@ import torch
 from torch import nn
 
 from ..errors import InputError
+from .lora import (
+    DECODER_TARGETS,
+    LoRAProjection,  # noqa: F401 - re-exported (it was defined here)
+    attach_adapters,
+    detach_adapters,
+)
 
 
 def pack_causal(
@@ -154,56 +160,6 @@ class CausalFinetuneReport:
     seconds: float = 0.0
 
 
-class LoRAProjection(nn.Module):
-    """``base(x) + (alpha / r) x A^T B^T`` around an ``nn.Linear`` (``weight [out, in]``)
-    or GPT-2's ``Conv1D`` (``weight [in, out]``); ``B`` starts at zero, so the model starts
-    unchanged, and :meth:`merged` folds the adapter into the base weight (the state dict
-    keeps its keys)."""
-
-    def __init__(self, base: nn.Module, rank: int, alpha: float, generator: torch.Generator) -> None:
-        super().__init__()
-        self.base = base
-        self.transposed = not isinstance(base, nn.Linear)  # Conv1D: y = x W + b, W [in, out]
-        w = base.weight
-        fan_in, fan_out = (w.shape[0], w.shape[1]) if self.transposed else (w.shape[1], w.shape[0])
-        self.scale = alpha / rank
-        a = torch.randn(rank, fan_in, generator=generator, dtype=torch.float64) / math.sqrt(fan_in)
-        self.lora_a = nn.Parameter(a.to(device=w.device, dtype=w.dtype))
-        self.lora_b = nn.Parameter(torch.zeros(fan_out, rank, device=w.device, dtype=w.dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + (x @ self.lora_a.T @ self.lora_b.T) * self.scale
-
-    @torch.no_grad()
-    def merged(self) -> nn.Module:
-        delta = (self.lora_b @ self.lora_a) * self.scale  # [out, in]
-        self.base.weight += delta.T if self.transposed else delta
-        return self.base
-
-
-#: query/key/value projections of decoder attention modules: Llama family, GPT-2 (fused)
-_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "c_attn")
-
-
-def _attach_adapters(student: nn.Module, rank: int, alpha: float, seed: int) -> list[tuple[nn.Module, str, Any]]:
-    from .attention import converted_modules
-
-    gen = torch.Generator().manual_seed(seed)
-    attached = []
-    for name, module in converted_modules(student):
-        found = [t for t in _LORA_TARGETS if isinstance(getattr(module, t, None), nn.Module)]
-        if not found:
-            raise InputError(
-                f"lora_rank: adapters go on the q/k/v projections ({', '.join(_LORA_TARGETS)}); {name!r} "
-                f"({type(module).__name__}) has none (use lora_rank=0)"
-            )
-        for target in found:
-            wrapped = LoRAProjection(getattr(module, target), rank, alpha, gen)
-            setattr(module, target, wrapped)
-            attached.append((module, target, wrapped))
-    return attached
-
-
 def causal_kl(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -254,10 +210,11 @@ def finetune_causal_lm(
 
     over the real positions (:func:`causal_kl`), the second stage of Hedgehog and LoLCATs
     after the per-layer attention fit. Trained: the estimators' parameters and, with
-    ``lora_rank > 0``, adapters of the query/key/value projections (:class:`LoRAProjection`,
-    merged into the weights at the end); everything else is frozen; both models run in
-    eval mode (frozen random draws, no dropout). With ``validation`` the parameters of the
-    lowest validation loss are kept (checked every ``eval_every`` steps and at the end).
+    ``lora_rank > 0``, adapters of the query/key/value projections
+    (:class:`~kernelattn_core.convert.lora.LoRAProjection`, merged into the weights at the
+    end); everything else is frozen; both models run in eval mode (frozen random draws, no
+    dropout). With ``validation`` the parameters of the lowest validation loss are kept
+    (checked every ``eval_every`` steps and at the end).
 
     Parameters
     ----------
@@ -305,7 +262,9 @@ def finetune_causal_lm(
     flags = {p: p.requires_grad for p in student.parameters()}
     for p in student.parameters():
         p.requires_grad_(False)
-    attached = _attach_adapters(student, lora_rank, float(lora_alpha or lora_rank), seed) if lora_rank else []
+    attached = (
+        attach_adapters(student, lora_rank, float(lora_alpha or lora_rank), seed, DECODER_TARGETS) if lora_rank else []
+    )
     params = [p for _, m in converted_modules(student) for p in m.estimator.parameters() if flags.get(p, False)]
     params += [p for _, _, w in attached for p in (w.lora_a, w.lora_b)]
     for p in params:
@@ -360,14 +319,12 @@ def finetune_causal_lm(
             for p, v in zip(params, best_values):
                 p.copy_(v)
         report.loss_after = best
-        for module, target, wrapped in attached:
-            setattr(module, target, wrapped.merged())
+        detach_adapters(attached, merge=True)
         merged = True
     finally:
         bar.close()
         if not merged:
-            for module, target, wrapped in attached:
-                setattr(module, target, wrapped.base)
+            detach_adapters(attached, merge=False)
         for p, flag in flags.items():
             p.requires_grad_(flag)
         student.train(modes[0])
