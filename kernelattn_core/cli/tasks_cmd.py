@@ -29,7 +29,7 @@ At the quick scale one (task, estimator, budget, seed) takes 10-150 s on two cor
 stream as they finish. --jobs N trains N runs at once, each in its own process (on a
 2-core CPU --jobs 2 trains about 1.3x as many steps per second). Presets:
   --preset seeds    the five source papers' estimators (+ hedgehog, sliding-window) on every
-                    task, in the layout of their Table 2 (about 35 min on 2 cores with --jobs 2)
+                    task, in the layout of their Table 2 (about 37 min on 2 cores with --jobs 2)
   --preset zoology  MQAR against the feature budget 16..256 for prf, hedgehog, elu and
                     sliding-window, two seeds (Zoology's Fig. 2 at CPU scale)
 """
