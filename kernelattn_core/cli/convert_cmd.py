@@ -156,7 +156,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--allocate-windows",
-        default="8,16,24,32,40",
+        default="8,16,24,32,40,48,56",
         action=_Given,
         metavar="W,W,...",
         help="candidate windows of --allocate",

@@ -46,7 +46,7 @@ def allocate_budget(
     estimator: str = "sliding-window",
     options: dict[str, Any] | None = None,
     budget: int = 128,
-    windows: Sequence[int] = (8, 16, 24, 32, 40),
+    windows: Sequence[int] = (8, 16, 24, 32, 40, 48, 56),
     steps: int = 150,
     lr: float = 2e-2,
     rows: int = 96,
