@@ -611,6 +611,19 @@ def query_side(phi_q: torch.Tensor, log_space: bool, top: torch.Tensor | None = 
     return (phi_q - top).exp_()
 
 
+def prefix_stabiliser(top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(m_raw, m)`` from the key rows' maxima ``top [B, H, N]`` (``-inf`` for a dropped
+    key): ``m_raw`` the prefix maximum (causal; ``-inf`` before the first key), ``m`` the
+    same with the positions before the first valid key given the first finite value
+    (their rows are exactly zero whatever ``m`` is, and ``m`` stays non-decreasing; 0 when
+    no key is valid). Tensor operations only: the eager call and the compile form share it."""
+    m_raw = top.cummax(-1).values
+    finite = torch.isfinite(m_raw)
+    first = torch.where(finite, m_raw, torch.full_like(m_raw, float("inf"))).amin(-1, keepdim=True)
+    first = torch.where(torch.isfinite(first), first, torch.zeros_like(first))
+    return m_raw, torch.where(finite, m_raw, first)
+
+
 def _bad_rows(x: torch.Tensor, log_space: bool) -> torch.Tensor:
     """``[B, H, N]``: rows holding NaN or inf (``-inf`` is a valid log-feature: feature 0)."""
     if log_space:
@@ -752,14 +765,8 @@ def prepare_causal(
         m_raw = lk.detach().amax(-1) if top_k is None else top_k  # [B, H, N]
         if state is not None and state.m is not None:
             m_raw = torch.maximum(m_raw, state.m)  # the prefix continues from earlier calls
-        m_raw = m_raw.cummax(-1).values  # prefix maximum: causal; -inf before the first key
+        m_raw, m = prefix_stabiliser(m_raw)
         m_out = m_raw[..., -1:]
-        # positions before the first valid key get the first finite value (their rows are
-        # exactly zero whatever m is, and m stays non-decreasing)
-        finite = torch.isfinite(m_raw)
-        first = torch.where(finite, m_raw, torch.full_like(m_raw, float("inf"))).amin(-1, keepdim=True)
-        first = torch.where(torch.isfinite(first), first, torch.zeros_like(first))
-        m = torch.where(finite, m_raw, first)
         fk = (lk - m.unsqueeze(-1)).exp_()  # [B, H, N, D], entries <= 1, dropped keys 0
         m0 = m[..., :1]
         if state is not None and state.m is not None:

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .chunked import _traced, compute_dtype
+from .chunked import _bad_rows, _traced, compute_dtype, prefix_stabiliser
 
 #: positions per chunk of the traced causal form
 TRACED_CHUNK = 64
@@ -49,13 +49,6 @@ TRACED_CHUNK = 64
 def tracing() -> bool:
     """Whether Dynamo is tracing (``torch.compile``, ``torch._dynamo.explain``, export)."""
     return bool(torch.compiler.is_compiling())
-
-
-def _bad(x: torch.Tensor, log_space: bool) -> torch.Tensor:
-    """``[...]`` rows of ``x [..., n]`` holding NaN or inf (``-inf`` is a valid log-feature)."""
-    if log_space:
-        return (torch.isnan(x) | torch.isposinf(x)).any(-1)
-    return ~torch.isfinite(x).all(-1)
 
 
 def traced_feature_attention(
@@ -86,9 +79,9 @@ def traced_feature_attention(
     pad = torch.zeros(b, 1, m, dtype=torch.bool, device=q.device)
     if key_padding_mask is not None:
         pad = key_padding_mask[:, None, :]
-    bad_k = (_bad(lk, log_space) | ~torch.isfinite(v).all(-1)) & ~pad  # [B, H, M]
+    bad_k = (_bad_rows(lk, log_space) | ~torch.isfinite(v).all(-1)) & ~pad  # [B, H, M]
     drop = (pad | bad_k).unsqueeze(-1)  # [B, H, M, 1]
-    bad_q = _bad(lq, log_space)  # [B, H, N]
+    bad_q = _bad_rows(lq, log_space)  # [B, H, N]
     empty = float("-inf") if log_space else 0.0
     lq = lq.masked_fill(bad_q.unsqueeze(-1), empty)
     lk = lk.masked_fill(drop, empty)
@@ -127,11 +120,7 @@ def _causal(fq: torch.Tensor, lk: torch.Tensor, v1: torch.Tensor, log_space: boo
     if not log_space:
         out, _ = _traced(fq, lk, v1, s0, None, None, None, chunk)
         return out
-    raw = lk.detach().amax(-1).cummax(-1).values  # [B, H, N]: prefix maximum, -inf before the first key
-    finite = torch.isfinite(raw)
-    first = torch.where(finite, raw, torch.full_like(raw, float("inf"))).amin(-1, keepdim=True)
-    first = torch.where(torch.isfinite(first), first, torch.zeros_like(first))
-    mk = torch.where(finite, raw, first)  # [B, H, N], non-decreasing, finite
+    _, mk = prefix_stabiliser(lk.detach().amax(-1))  # [B, H, N], non-decreasing, finite
     fk = (lk - mk.unsqueeze(-1)).exp()  # [B, H, N, D], <= 1, dropped keys 0
     out, _ = _traced(fq, fk, v1, s0, mk, mk[..., :1], None, chunk)
     return out
