@@ -18,6 +18,7 @@ from ..engine.backends import (
 )
 from ..engine.chunked import CausalState, compute_dtype
 from ..engine.naive import allowed_pairs, isolated_pre, isolated_rows, poison_rows, quarantine_non_finite
+from ..engine.torch_backend import decode_one_finite
 from ..errors import InputError
 from ..interfaces.estimator import AttentionEstimator
 from ..interfaces.feature_map import FeatureMap
@@ -308,6 +309,10 @@ class FeatureMapAttention(AttentionEstimator):
             call would choose (the Triton step for CUDA tensors when Triton imports), in
             eval or training mode alike (no redraw happens between steps).
         """
+        if state is not None and key_padding_mask is None and not torch.is_grad_enabled():
+            fast = self._step_finite(q, k, v, state)
+            if fast is not None:
+                return fast
         q, k, mask = self._step_inputs(q, k, v, key_padding_mask)
         fm = self.feature_map
         if not fm.built:
@@ -332,7 +337,63 @@ class FeatureMapAttention(AttentionEstimator):
             fallback=self._fell_back if self.backend is None else None,
         )
         state.owner = owner
+        self._finite_step = self._finite_step_plan(q, v, owner, backend.name)
         return self._post(self.normalizer.normalize(num, den)).to(v.dtype), state
+
+    def _finite_step_plan(self, q: torch.Tensor, v: torch.Tensor, owner: StateOwner, backend: str) -> tuple | None:
+        """What :meth:`_step_finite` needs to continue a state this call made (``None`` when
+        it cannot: another backend, half precision, or a normaliser, map or subclass that
+        adds work of its own to a step)."""
+        fm = self.feature_map
+        plain = (
+            backend == "torch"
+            and q.device.type == "cpu"
+            and q.dtype in (torch.float32, torch.float64)
+            and type(self.normalizer).pre is Normalizer.pre
+            and type(self.normalizer).post is Normalizer.post
+            and type(self.normalizer).normalize is Normalizer.normalize
+            and type(fm).prepare is FeatureMap.prepare
+            and type(fm).raw_features is FeatureMap.raw_features
+            and type(fm)._isolated is FeatureMap._isolated
+            and type(self)._step_inputs is AttentionEstimator._step_inputs
+        )
+        if not plain:
+            return None
+        b, h, _, d = q.shape
+        dv = v.shape[-1]
+        d_feat = fm.feature_dim
+        eps = self.normalizer.eps if self.normalizer.eps is not None else torch.finfo(q.dtype).tiny
+        return (owner, (b, h, 1, d), (b, h, 1, dv), (b, h, d_feat, dv), q.dtype, self._input_root(d), float(eps))
+
+    def _step_finite(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: object
+    ) -> tuple[torch.Tensor, CausalState] | None:
+        """One decoding position on :func:`~kernelattn_core.engine.torch_backend.decode_one_finite`,
+        or ``None`` for the guarded path of :meth:`step`.
+
+        Taken only for a state the previous ``step`` of this estimator returned (its
+        owner, the same object), inputs of one position with that call's batch, heads,
+        widths and dtype on the CPU, no padding mask, no autograd, a state not poisoned
+        and every value finite; the guarded path checks and quarantines the rest, with
+        the same result where both apply."""
+        plan = getattr(self, "_finite_step", None)
+        if plan is None or type(state) is not CausalState or state.poisoned is not None:
+            return None
+        owner, q_shape, v_shape, kv_shape, dtype, root, eps = plan
+        if state.owner is not owner or state.kv.shape != kv_shape or state.kv.dtype != dtype:
+            return None
+        for x, shape in ((q, q_shape), (k, q_shape), (v, v_shape)):
+            if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype or x.device.type != "cpu":
+                return None
+        fm = self.feature_map
+        phi_q, phi_k = fm._features(q * root, True), fm._features(k * root, False)
+        done = decode_one_finite(phi_q, phi_k, v, state, log_space=fm.log_space, eps=eps)
+        if done is None:
+            return None
+        out, state = done
+        state.owner = owner
+        self.last_backend = "torch"
+        return out, state
 
     def state_owner(self, q: torch.Tensor, v: torch.Tensor) -> StateOwner:
         """The :class:`~kernelattn_core.interfaces.state.StateOwner` of the decoding states

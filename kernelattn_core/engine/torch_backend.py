@@ -290,6 +290,73 @@ def _decode_one(
     return num.unsqueeze(2), den.unsqueeze(2), CausalState(kv, z, m_new, state.length + 1, carried)
 
 
+def decode_one_finite(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    state: CausalState,
+    *,
+    log_space: bool,
+    eps: float,
+) -> tuple[torch.Tensor, CausalState] | None:
+    """The normalised output of one new position and the continued state, on the
+    assumption that everything is finite: the recurrence of :func:`_decode_one` without
+    its quarantine, or ``None`` when the assumption fails (the caller then takes the
+    guarded path, which gives the same result, up to rounding, wherever this one returns).
+
+    A decoding step of a small model is dominated by the number of tensor operations,
+    not their size (``[B, H, D]`` rows): the guarded step spends about 40 of them on
+    masks and non-finite bookkeeping that change nothing for finite inputs. Here one
+    reduction over the inputs (features and value) and the denominator decide, with one
+    synchronisation: a non-finite entry anywhere, or a denominator that
+    :meth:`~kernelattn_core.interfaces.normalizer.Normalizer.normalize` would guard
+    (:math:`|\\mathrm{den}| <` ``eps``), returns ``None``.
+
+    Parameters
+    ----------
+    phi_q, phi_k : Tensor ``[B, H, 1, D]``
+        Features (log-features when ``log_space``) of the new position, in the state's dtype.
+    v : Tensor ``[B, H, 1, dv]``
+    state : CausalState
+        Not poisoned (``m`` may be ``-inf``: no key consumed yet).
+    eps : float
+        The normaliser's smallest denominator.
+
+    Returns
+    -------
+    (out, state) or None
+        ``out [B, H, 1, dv] = num / den`` and the state after the position.
+    """
+    b, h, _, d_feat = phi_k.shape
+    dv = v.shape[-1]
+    lq, lk, vv = phi_q.view(b * h, 1, d_feat), phi_k.view(b * h, d_feat, 1), v.view(b * h, 1, dv)
+    kv, z = state.kv.view(b * h, d_feat, dv), state.z.view(b * h, 1, d_feat)
+    check = lq.sum() + lk.sum() + vv.sum()
+    if log_space:
+        assert state.m is not None
+        m_old = state.m.view(b * h, 1, 1)
+        m_new = torch.maximum(m_old, lk.amax(1, keepdim=True))  # [BH, 1, 1]
+        restate = (m_old - m_new).exp_()
+        fk = (lk - m_new).exp_()  # [BH, D, 1], <= 1
+        kv = torch.baddbmm(kv * restate, fk, vv)
+        z = (z * restate).add_(fk.mT)
+        fq = (lq - lq.amax(-1, keepdim=True)).exp_()  # [BH, 1, D]
+        # m_old = -inf (no key yet) needs no check: restate is 0 on an all-zero state, and
+        # with an all -inf key row too, fk is NaN and the denominator check below declines
+    else:
+        kv = torch.baddbmm(kv, lk, vv)
+        z = z + lk.mT
+        fq = lq
+        m_new = None
+    num = torch.bmm(fq, kv)  # [BH, 1, dv]
+    den = torch.bmm(fq, z.mT)  # [BH, 1, 1]
+    if not bool(torch.isfinite(check) & (den.abs().amin() >= eps)):
+        return None
+    out = (num / den).view(b, h, 1, dv)
+    m = None if m_new is None else m_new.view(b, h, 1)
+    return out, CausalState(kv.view(b, h, d_feat, dv), z.view(b, h, d_feat), m, state.length + 1, None)
+
+
 def absorb_keys(
     state: CausalState | None,
     phi_k: torch.Tensor,
