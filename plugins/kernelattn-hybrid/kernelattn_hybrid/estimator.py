@@ -22,7 +22,14 @@ from kernelattn_core.toolkit import (
 )
 
 from .claims import SLIDING_WINDOW_CLAIMS
-from .window import WindowState, empty_window_state, window_attention_blocked, window_step_one, window_weights_rows
+from .window import (
+    WindowState,
+    empty_window_state,
+    window_attention_blocked,
+    window_step_finite,
+    window_step_one,
+    window_weights_rows,
+)
 
 #: smallest block length of the blocked computation (fewer, larger matmuls)
 MIN_BLOCK = 32
@@ -253,6 +260,10 @@ class SlidingWindowAttention(AttentionEstimator):
         state : WindowState
             To pass to the next call. No redraw happens between steps.
         """
+        if state is not None and key_padding_mask is None and not torch.is_grad_enabled():
+            fast = self._step_finite(q, k, v, state)
+            if fast is not None:
+                return fast
         q, k, mask = self._step_inputs(q, k, v, key_padding_mask)
         fm = self.feature_map
         if not fm.built:
@@ -261,6 +272,7 @@ class SlidingWindowAttention(AttentionEstimator):
         if state is not None:
             self._check_state(state, owner, q.device)
         self.last_backend = "step"
+        self._finite_step = self._finite_step_plan(q, v, owner)
         if state is None:
             out = self._attend(q, k, v, True, mask, redraw=False)
             state = self._state_of(q, k, v, mask)
@@ -274,6 +286,59 @@ class SlidingWindowAttention(AttentionEstimator):
             outs.append(out)
         state.owner = owner
         return torch.cat(outs, dim=2), state
+
+    def _finite_step_plan(self, q: torch.Tensor, v: torch.Tensor, owner: StateOwner) -> tuple | None:
+        """What :meth:`_step_finite` needs to continue a state of this call's owner (``None``
+        when it cannot: no window, half precision, another device, or a map that adds work
+        of its own to its features)."""
+        fm = self.feature_map
+        plain = (
+            self.window > 0
+            and q.device.type == "cpu"
+            and q.dtype in (torch.float32, torch.float64)
+            and type(fm).prepare is FeatureMap.prepare
+            and type(fm).raw_features is FeatureMap.raw_features
+            and type(fm)._isolated is FeatureMap._isolated
+            and type(self)._step_inputs is AttentionEstimator._step_inputs
+        )
+        if not plain:
+            return None
+        b, h, _, d = q.shape
+        return (owner, (b, h, 1, d), (b, h, 1, v.shape[-1]), q.dtype, self._input_root(d))
+
+    def _step_finite(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: object
+    ) -> tuple[torch.Tensor, WindowState] | None:
+        """One decoding position on :func:`~kernelattn_hybrid.window.window_step_finite`, or
+        ``None`` for the guarded path of :meth:`step`: taken only for a state the previous
+        ``step`` of this estimator returned (its owner, the same object) once a position
+        has left the window past the global tokens, for inputs of one position with that
+        call's shapes and dtype on the CPU, no padding mask and no autograd."""
+        plan = getattr(self, "_finite_step", None)
+        if plan is None or type(state) is not WindowState or state.features is None:
+            return None
+        owner, q_shape, v_shape, dtype, root = plan
+        if state.owner is not owner or state.length - self.window < self.global_tokens:
+            return None
+        for x, shape in ((q, q_shape), (k, q_shape), (v, v_shape)):
+            if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype or x.device.type != "cpu":
+                return None
+        fm = self.feature_map
+        q, k = q * root, k * root
+        done = window_step_finite(
+            state,
+            q,
+            k,
+            v,
+            fm._features(q, True),
+            lambda x: fm._features(x, False),
+            log_space=fm.log_space,
+            window=self.window,
+            global_tokens=self.global_tokens,
+        )
+        if done is not None:
+            self.last_backend = "step"
+        return done
 
     def _step_one(self, q, k, v, state, mask):  # type: ignore[no-untyped-def]
         """One position: non-finite keys and queries handled as in :meth:`_attend`."""

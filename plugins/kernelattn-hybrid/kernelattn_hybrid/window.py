@@ -61,7 +61,7 @@ capped at :math:`\\tfrac12 \\log` of the dtype's largest number (it only binds w
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -559,6 +559,117 @@ def empty_window_state(
         0,
         torch.zeros(b, h, dtype=torch.bool, device=device),
     )
+
+
+def window_step_finite(
+    state: WindowState,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    phi_q: torch.Tensor,
+    key_features: Any,
+    *,
+    log_space: bool,
+    window: int,
+    global_tokens: int,
+) -> tuple[torch.Tensor, WindowState] | None:
+    """:func:`window_step_one` of a position past the start, on the assumption that every
+    value is finite and every slot attendable, or ``None`` when it fails (the caller then
+    takes :func:`window_step_one` with its quarantine, which gives the same row and state,
+    up to rounding, wherever this one returns).
+
+    A decoding step is dominated by the number of tensor operations, not their size;
+    this one skips the masks, the selections on data and the copies that change nothing
+    when the ring buffer is full and valid: the key at :math:`p - w` moves to the
+    features (:math:`c' = \\max(c, \\max_D l_k)`, :math:`S' = e^{c - c'} S + e^{l_k - c'}
+    v^\\top`, :math:`z' = e^{c - c'} z + e^{l_k - c'}`), the new key takes its slot, and the
+    row combines the exact part and the feature part at one log-normaliser, as
+    :func:`window_step_one` does. One synchronisation decides at the end: a non-finite
+    input, an invalid slot, a poisoned head or a denominator :math:`\\le 0` returns ``None``.
+
+    Parameters
+    ----------
+    state : WindowState
+        With ``features`` (a position has left the window) and
+        ``state.length - window >= global_tokens`` (the leaving position is not global).
+    q, k, v, phi_q, key_features, log_space, window, global_tokens
+        As :func:`window_step_one` (``window > 0``).
+    """
+    p, f = state.length, state.features
+    slot = p % window
+    b, h, _, d = q.shape
+    dv, bh = v.shape[-1], b * h
+    # the position p - w leaves the window for the features
+    lk = key_features(state.keys[:, :, slot : slot + 1])  # [B, H, 1, D]
+    d_feat = lk.shape[-1]
+    lk = lk.reshape(bh, d_feat, 1)
+    v_old = state.values[:, :, slot].reshape(bh, 1, dv)
+    kv, z = f.kv.reshape(bh, d_feat, dv), f.z.reshape(bh, 1, d_feat)
+    if log_space:
+        c_old = f.m.reshape(bh, 1, 1)
+        c = torch.maximum(c_old, lk.amax(1, keepdim=True))  # [BH, 1, 1]
+        restate = (c_old - c).exp_()
+        fk = (lk - c).exp_()
+        kv = torch.baddbmm(kv * restate, fk, v_old)
+        z = (z * restate).add_(fk.mT)
+    else:
+        kv = torch.baddbmm(kv, lk, v_old)
+        z = z + lk.mT
+        c = None
+    # the new key takes the slot (the slot stays valid: the check below covers it)
+    keys, values = state.keys.clone(), state.values.clone()
+    keys[:, :, slot] = k[:, :, 0]
+    values[:, :, slot] = v[:, :, 0]
+    # exact part: the window and the global tokens, at the row's largest logit
+    q3 = q.reshape(bh, 1, d)
+    ex_k, ex_v = keys.reshape(bh, window, d), values.reshape(bh, window, dv)
+    if global_tokens:
+        ex_k = torch.cat([ex_k, state.sink_keys.reshape(bh, global_tokens, d)], 1)
+        ex_v = torch.cat([ex_v, state.sink_values.reshape(bh, global_tokens, dv)], 1)
+    s = torch.bmm(q3, ex_k.mT)  # [BH, 1, w + g]
+    m_e = s.amax(-1, keepdim=True)
+    e = (s - m_e).exp_()
+    den_e = e.sum(-1, keepdim=True)  # [BH, 1, 1], >= 1
+    num_e = torch.bmm(e, ex_v)  # [BH, 1, dv]
+    # feature part, at a + c
+    lq = phi_q.reshape(bh, 1, d_feat)
+    if log_space:
+        a = lq.amax(-1, keepdim=True)
+        fq = (lq - a).exp_()
+        m_f = a + c
+    else:
+        fq = lq
+        m_f = torch.zeros_like(m_e)
+    num_f = torch.bmm(fq, kv)
+    den_f = torch.bmm(fq, z.mT)
+    # one log-normaliser for the row
+    top = torch.maximum(m_e + den_e.log(), m_f + den_f.abs().log())
+    w_e = (m_e - top).exp_()  # <= 1 without a clamp: den_e >= 1 (its largest term is e^0)
+    w_f = (m_f - top).clamp_(max=0.5 * math.log(torch.finfo(top.dtype).max)).exp_()
+    num = torch.addcmul(num_e * w_e, num_f, w_f)
+    den = torch.addcmul(den_e * w_e, den_f, w_f)
+    check = q3.sum() + k.sum() + v.sum() + lq.sum() + lk.sum() + top.sum()
+    ok = torch.isfinite(check) & (den.amin() > 0) & state.valid.all() & ~state.poisoned.any()
+    if global_tokens:
+        ok = ok & state.sink_valid.all()
+    if not bool(ok):
+        return None
+    out = (num / den).reshape(b, h, 1, dv)
+    m = None if c is None else c.reshape(b, h, 1)
+    features = replace(f, kv=kv.reshape(b, h, d_feat, dv), z=z.reshape(b, h, d_feat), m=m, length=f.length + 1)
+    new = WindowState(
+        keys,
+        values,
+        state.valid,
+        state.sink_keys,
+        state.sink_values,
+        state.sink_valid,
+        features,
+        p + 1,
+        state.poisoned,
+        state.owner,
+    )
+    return out, new
 
 
 def window_step_one(

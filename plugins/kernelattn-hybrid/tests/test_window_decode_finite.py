@@ -1,0 +1,170 @@
+"""The finite decoding step of ``sliding-window`` (``SlidingWindowAttention._step_finite`` on
+``window.window_step_finite``): every position of a decode equals the guarded step's (rows
+and states), the short path is taken once a position has left the window past the global
+tokens, and whatever it must not handle (non-finite values, padding in the window, autograd,
+a poisoned head) goes to the guarded step. CI cost: about 2 s."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernelattn_hybrid import estimator as estimator_module
+
+import kernelattn_core as ka
+
+B, H, N, D_HEAD, DV, W = 2, 3, 24, 8, 5, 4
+PREFILL = 3
+
+
+@pytest.fixture
+def taken(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """One entry per call of the short path: whether it returned (True) or declined (False)."""
+    calls: list[bool] = []
+    real = estimator_module.window_step_finite
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        result = real(*args, **kwargs)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(estimator_module, "window_step_finite", counting)
+    return calls
+
+
+def _est(feature_map: str, global_tokens: int, dtype: torch.dtype) -> torch.nn.Module:
+    est = ka.create(
+        "sliding-window", window=W, feature_map=feature_map, num_features=16, global_tokens=global_tokens, seed=5
+    )
+    return est.to(dtype).eval()
+
+
+def _inputs(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, H, N, D_HEAD, generator=g, dtype=dtype) for _ in range(2))
+    return q, k, torch.randn(B, H, N, DV, generator=g, dtype=dtype)
+
+
+def _decode(est, q, k, v, *, guarded: bool = False, mask: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
+    if guarded:
+        est._step_finite = lambda *args: None  # the instance attribute shadows the method
+    try:
+        with torch.no_grad():
+            first = None if mask is None else mask[:, :PREFILL]
+            out, state = est.step(q[:, :, :PREFILL], k[:, :, :PREFILL], v[:, :, :PREFILL], key_padding_mask=first)
+            outs = [out]
+            for t in range(PREFILL, N):
+                one = slice(t, t + 1)
+                pad = None if mask is None else mask[:, one]
+                out, state = est.step(q[:, :, one], k[:, :, one], v[:, :, one], state, key_padding_mask=pad)
+                outs.append(out)
+    finally:
+        if guarded:
+            del est._step_finite
+    return torch.cat(outs, 2), state
+
+
+def _first_short(global_tokens: int) -> int:
+    """Position of the first step the short path takes: a position has left the window
+    (features exist) and the leaving one, p - W, is past the global tokens."""
+    return max(W + 1, W + global_tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("global_tokens", [0, 2])
+@pytest.mark.parametrize("feature_map", ["hedgehog", "prf", "elu"])
+def test_short_path_equals_the_guarded_step(feature_map: str, global_tokens: int, dtype: torch.dtype, taken) -> None:  # type: ignore[no-untyped-def]
+    est = _est(feature_map, global_tokens, dtype)
+    q, k, v = _inputs(dtype)
+    ref, ref_state = _decode(est, q, k, v, guarded=True)
+    assert taken == []
+    got, state = _decode(est, q, k, v)
+    first = _first_short(global_tokens)
+    assert taken == [True] * (N - first)
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 2e-5, "atol": 2e-6}
+    torch.testing.assert_close(got, ref, **tol)
+    for name in ("keys", "values", "valid", "sink_keys", "sink_values", "sink_valid", "poisoned"):
+        torch.testing.assert_close(getattr(state, name), getattr(ref_state, name), **tol)
+    f, rf = state.features, ref_state.features
+    assert state.length == ref_state.length == N and f.length == rf.length
+    scale = (f.m - rf.m).exp()[..., None] if rf.m is not None else 1.0  # the same sums at another stabiliser
+    torch.testing.assert_close(f.kv * scale, rf.kv, **tol)
+    with torch.no_grad():
+        full = est(q, k, v, causal=True)
+    torch.testing.assert_close(got, full, **tol)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_non_finite_inputs_go_to_the_guarded_step(where: str, taken: list[bool]) -> None:
+    est = _est("hedgehog", 0, torch.float64)
+    q, k, v = _inputs(torch.float64, seed=1)
+    t = 12
+    {"q": q, "k": k, "v": v}[where][1, 2, t, 0] = float("nan")
+    ref, ref_state = _decode(est, q, k, v, guarded=True)
+    got, state = _decode(est, q, k, v)
+    assert torch.equal(got.isnan(), ref.isnan()) and bool(got.isnan().any())
+    torch.testing.assert_close(got[~ref.isnan()], ref[~ref.isnan()], rtol=1e-12, atol=1e-12)
+    assert torch.equal(state.poisoned, ref_state.poisoned)
+    before = t - _first_short(0)
+    if where == "q":  # its own row only; later steps go short again
+        assert taken == [True] * before + [False] + [True] * (N - t - 1)
+    else:  # the head is poisoned: every later step is guarded (and declines the short path)
+        assert taken == [True] * before + [False] * (N - t)
+
+
+def test_padding_in_the_window_and_autograd_take_the_guarded_step(taken: list[bool]) -> None:
+    est = _est("hedgehog", 0, torch.float64)
+    q, k, v = _inputs(torch.float64, seed=2)
+    mask = torch.zeros(B, N, dtype=torch.bool)
+    mask[0, 1] = True  # padded in the prefill: its slot is invalid until it leaves the window
+    ref, _ = _decode(est, q, k, v, guarded=True, mask=mask)
+    taken.clear()
+    # the mask only for the prefill: the steps pass none, so the invalid slot itself must decline
+    with torch.no_grad():
+        _, state = est.step(q[:, :, :PREFILL], k[:, :, :PREFILL], v[:, :, :PREFILL], key_padding_mask=mask[:, :PREFILL])
+        rows = []
+        for t in range(PREFILL, N):
+            out, state = est.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state)
+            rows.append(out)
+    got = torch.cat(rows, 2)
+    torch.testing.assert_close(got, ref[:, :, PREFILL:], rtol=1e-12, atol=1e-12)
+    # p = W + 1 finds the padded position's slot still invalid (it leaves now): declined; then valid again
+    assert taken == [False] + [True] * (N - _first_short(0) - 1)
+    taken.clear()
+    with torch.enable_grad():
+        est.step(q[:, :, N - 1 :], k[:, :, N - 1 :], v[:, :, N - 1 :], state)
+    assert taken == []
+
+
+def test_an_invalid_slot_declines(taken: list[bool]) -> None:
+    est = _est("hedgehog", 0, torch.float64)
+    q, k, v = _inputs(torch.float64, seed=3)
+    with torch.no_grad():
+        _, state = est.step(q[:, :, :10], k[:, :, :10], v[:, :, :10])
+        state.valid = state.valid.clone()
+        state.valid[1, 0, 2] = False  # as a padded position would leave it
+        out, _ = est.step(q[:, :, 10:11], k[:, :, 10:11], v[:, :, 10:11], state)
+        assert taken == [False]
+        est._step_finite = lambda *args: None
+        ref, _ = est.step(q[:, :, 10:11], k[:, :, 10:11], v[:, :, 10:11], state)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():  # the slot's key counts where it is valid: the rows differ from the unmodified state's
+        del est._step_finite
+        _, clean = est.step(q[:, :, :10], k[:, :, :10], v[:, :, :10])
+        other, _ = est.step(q[:, :, 10:11], k[:, :, 10:11], v[:, :, 10:11], clean)
+    assert not torch.allclose(other[1, 0], out[1, 0])
+
+
+def test_a_padded_global_token_declines(taken: list[bool]) -> None:
+    est = _est("hedgehog", 2, torch.float64)
+    q, k, v = _inputs(torch.float64, seed=4)
+    mask = torch.zeros(B, 10, dtype=torch.bool)
+    mask[0, 0] = True  # a padded global token: never attended
+    with torch.no_grad():
+        _, state = est.step(q[:, :, :10], k[:, :, :10], v[:, :, :10], key_padding_mask=mask)
+        assert not bool(state.sink_valid[0].all())
+        out, _ = est.step(q[:, :, 10:11], k[:, :, 10:11], v[:, :, 10:11], state)
+        assert taken == [False]
+        est._step_finite = lambda *args: None
+        ref, _ = est.step(q[:, :, 10:11], k[:, :, 10:11], v[:, :, 10:11], state)
+        del est._step_finite
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
