@@ -338,13 +338,13 @@ def decode_one_finite(
         m_new = torch.maximum(m_old, lk.amax(1, keepdim=True))  # [BH, 1, 1]
         restate = (m_old - m_new).exp_()
         fk = (lk - m_new).exp_()  # [BH, D, 1], <= 1
-        kv = torch.baddbmm(kv * restate, fk, vv)
+        kv = torch.addcmul(kv * restate, fk, vv)  # outer product; baddbmm is ~4x slower here
         z = (z * restate).add_(fk.mT)
         fq = (lq - lq.amax(-1, keepdim=True)).exp_()  # [BH, 1, D]
         # m_old = -inf (no key yet) needs no check: restate is 0 on an all-zero state, and
         # with an all -inf key row too, fk is NaN and the denominator check below declines
     else:
-        kv = torch.baddbmm(kv, lk, vv)
+        kv = torch.addcmul(kv, lk, vv)
         z = z + lk.mT
         fq = lq
         m_new = None

@@ -610,10 +610,10 @@ def window_step_finite(
         c = torch.maximum(c_old, lk.amax(1, keepdim=True))  # [BH, 1, 1]
         restate = (c_old - c).exp_()
         fk = (lk - c).exp_()
-        kv = torch.baddbmm(kv * restate, fk, v_old)
+        kv = torch.addcmul(kv * restate, fk, v_old)  # outer product; baddbmm is ~4x slower here
         z = (z * restate).add_(fk.mT)
     else:
-        kv = torch.baddbmm(kv, lk, v_old)
+        kv = torch.addcmul(kv, lk, v_old)
         z = z + lk.mT
         c = None
     # the new key takes the slot (the slot stays valid: the check below covers it)
