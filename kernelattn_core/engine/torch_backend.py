@@ -329,12 +329,14 @@ def decode_one_finite(
     """
     b, h, _, d_feat = phi_k.shape
     dv = v.shape[-1]
-    lq, lk, vv = phi_q.view(b * h, 1, d_feat), phi_k.view(b * h, d_feat, 1), v.view(b * h, 1, dv)
-    kv, z = state.kv.view(b * h, d_feat, dv), state.z.view(b * h, 1, d_feat)
+    if not (phi_q.dtype == phi_k.dtype == v.dtype == state.kv.dtype) or phi_q.shape != phi_k.shape:
+        return None  # a map that changes the dtype or the width: the guarded step casts and checks
+    lq, lk, vv = phi_q.reshape(b * h, 1, d_feat), phi_k.reshape(b * h, d_feat, 1), v.reshape(b * h, 1, dv)
+    kv, z = state.kv.reshape(b * h, d_feat, dv), state.z.reshape(b * h, 1, d_feat)
     check = lq.sum() + lk.sum() + vv.sum()
     if log_space:
         assert state.m is not None
-        m_old = state.m.view(b * h, 1, 1)
+        m_old = state.m.reshape(b * h, 1, 1)
         m_new = torch.maximum(m_old, lk.amax(1, keepdim=True))  # [BH, 1, 1]
         restate = (m_old - m_new).exp_()
         fk = (lk - m_new).exp_()  # [BH, D, 1], <= 1

@@ -602,6 +602,8 @@ def window_step_finite(
     # the position p - w leaves the window for the features
     lk = key_features(state.keys[:, :, slot : slot + 1])  # [B, H, 1, D]
     d_feat = lk.shape[-1]
+    if not (lk.dtype == phi_q.dtype == q.dtype == f.kv.dtype) or phi_q.shape[-1] != d_feat:
+        return None  # a map that changes the dtype or the width: the guarded step casts and checks
     lk = lk.reshape(bh, d_feat, 1)
     v_old = state.values[:, :, slot].reshape(bh, 1, dv)
     kv, z = f.kv.reshape(bh, d_feat, dv), f.z.reshape(bh, 1, d_feat)
