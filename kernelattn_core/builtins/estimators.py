@@ -352,9 +352,7 @@ class FeatureMapAttention(AttentionEstimator):
             and type(self.normalizer).pre is Normalizer.pre
             and type(self.normalizer).post is Normalizer.post
             and type(self.normalizer).normalize is Normalizer.normalize
-            and type(fm).prepare is FeatureMap.prepare
-            and type(fm).raw_features is FeatureMap.raw_features
-            and type(fm)._isolated is FeatureMap._isolated
+            and fm.plain_features()
             and type(self)._step_inputs is AttentionEstimator._step_inputs
         )
         if not plain:

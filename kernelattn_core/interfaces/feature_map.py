@@ -299,6 +299,18 @@ class FeatureMap(nn.Module, ABC):
         """
         return isolated_rows(fn or (lambda t: self._features(t, is_query)), x)
 
+    def plain_features(self) -> bool:
+        """Whether, for finite input of the map's dtype, :meth:`raw_features` is
+        :meth:`_features` itself: the map keeps the base class's :meth:`prepare` (no
+        statistics of the call), :meth:`raw_features` and :meth:`_isolated`. The decoding
+        short paths call :meth:`_features` directly only then."""
+        cls = type(self)
+        return (
+            cls.prepare is FeatureMap.prepare
+            and cls.raw_features is FeatureMap.raw_features
+            and cls._isolated is FeatureMap._isolated
+        )
+
     def raw_features(self, x: torch.Tensor, *, query: bool) -> torch.Tensor:
         """What the engine consumes: features, or log-features for log-space maps,
         in float32 for half inputs (``[..., d]`` to ``[..., D]``). A row of ``x`` holding

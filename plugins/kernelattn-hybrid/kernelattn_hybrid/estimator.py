@@ -296,9 +296,7 @@ class SlidingWindowAttention(AttentionEstimator):
             self.window > 0
             and q.device.type == "cpu"
             and q.dtype in (torch.float32, torch.float64)
-            and type(fm).prepare is FeatureMap.prepare
-            and type(fm).raw_features is FeatureMap.raw_features
-            and type(fm)._isolated is FeatureMap._isolated
+            and fm.plain_features()
             and type(self)._step_inputs is AttentionEstimator._step_inputs
         )
         if not plain:
