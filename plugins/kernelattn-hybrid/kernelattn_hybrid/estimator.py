@@ -309,14 +309,16 @@ class SlidingWindowAttention(AttentionEstimator):
     ) -> tuple[torch.Tensor, WindowState] | None:
         """One decoding position on :func:`~kernelattn_hybrid.window.window_step_finite`, or
         ``None`` for the guarded path of :meth:`step`: taken only for a state the previous
-        ``step`` of this estimator returned (its owner, the same object) once a position
-        has left the window past the global tokens, for inputs of one position with that
-        call's shapes and dtype on the CPU, no padding mask and no autograd."""
+        ``step`` of this estimator returned (its owner, the same object), past the global
+        tokens, while the window fills or once a position has left it past the global
+        tokens, for inputs of one position with that call's shapes and dtype on the CPU,
+        no padding mask and no autograd."""
         plan = getattr(self, "_finite_step", None)
-        if plan is None or type(state) is not WindowState or state.features is None:
+        if plan is None or type(state) is not WindowState:
             return None
         owner, q_shape, v_shape, dtype, root = plan
-        if state.owner is not owner or state.length - self.window < self.global_tokens:
+        p, w, g = state.length, self.window, self.global_tokens
+        if state.owner is not owner or p < g or (p >= w and (state.features is None or p - w < g)):
             return None
         for x, shape in ((q, q_shape), (k, q_shape), (v, v_shape)):
             if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype or x.device.type != "cpu":

@@ -586,12 +586,16 @@ def window_step_finite(
     row combines the exact part and the feature part at one log-normaliser, as
     :func:`window_step_one` does. One synchronisation decides at the end: a non-finite
     input, an invalid slot, a poisoned head or a denominator :math:`\\le 0` returns ``None``.
+    While the buffer fills (:math:`p < w`: no position has left, no feature part) the
+    row is the exact part alone over the valid slots (:func:`_filling_step`).
 
     Parameters
     ----------
     state : WindowState
-        With ``features`` (a position has left the window) and
-        ``state.length - window >= global_tokens`` (the leaving position is not global).
+        Of ``p = state.length >= global_tokens`` positions (the new key goes to the ring
+        buffer, not to the global tokens); for ``p >= window`` with ``features`` (a
+        position has left the window) and ``p - window >= global_tokens`` (the leaving
+        position is not global).
     q, k, v, phi_q, key_features, log_space, window, global_tokens
         As :func:`window_step_one` (``window > 0``).
     """
@@ -599,6 +603,8 @@ def window_step_finite(
     slot = p % window
     b, h, _, d = q.shape
     dv, bh = v.shape[-1], b * h
+    if p < window:
+        return _filling_step(state, q, k, v, slot, global_tokens)
     # the position p - w leaves the window for the features
     lk = key_features(state.keys[:, :, slot : slot + 1])  # [B, H, 1, D]
     d_feat = lk.shape[-1]
@@ -668,6 +674,46 @@ def window_step_finite(
         state.sink_valid,
         features,
         p + 1,
+        state.poisoned,
+        state.owner,
+    )
+    return out, new
+
+
+def _filling_step(
+    state: WindowState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int, global_tokens: int
+) -> tuple[torch.Tensor, WindowState] | None:
+    """The short step while the ring buffer fills (no feature part yet): the new key takes
+    its empty slot, and the row is softmax attention over the valid slots and the global
+    tokens (padded earlier positions stay invalid, so they are masked here, not declined).
+    ``None`` for a non-finite input or a poisoned head."""
+    b, h, _, d = q.shape
+    dv, bh = v.shape[-1], b * h
+    keys, values, valid = state.keys.clone(), state.values.clone(), state.valid.clone()
+    keys[:, :, slot] = k[:, :, 0]
+    values[:, :, slot] = v[:, :, 0]
+    valid[:, :, slot] = True
+    ex_k, ex_v, ex_ok = keys, values, valid
+    if global_tokens:
+        ex_k = torch.cat([keys, state.sink_keys], 2)
+        ex_v = torch.cat([values, state.sink_values], 2)
+        ex_ok = torch.cat([valid, state.sink_valid], 2)
+    s = torch.bmm(q.reshape(bh, 1, d), ex_k.reshape(bh, -1, d).mT).masked_fill(~ex_ok.reshape(bh, 1, -1), NEG)
+    e = (s - s.amax(-1, keepdim=True)).exp_()  # the new key is valid: the largest logit is finite
+    num = torch.bmm(e, ex_v.reshape(bh, -1, dv))  # [BH, 1, dv]
+    den = e.sum(-1, keepdim=True)  # [BH, 1, 1], >= 1
+    if not bool(torch.isfinite(q.sum() + k.sum() + v.sum() + num.sum()) & ~state.poisoned.any()):
+        return None
+    out = (num / den).reshape(b, h, 1, dv)
+    new = WindowState(
+        keys,
+        values,
+        valid,
+        state.sink_keys,
+        state.sink_values,
+        state.sink_valid,
+        None,
+        state.length + 1,
         state.poisoned,
         state.owner,
     )

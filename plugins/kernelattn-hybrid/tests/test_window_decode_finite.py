@@ -63,10 +63,16 @@ def _decode(est, q, k, v, *, guarded: bool = False, mask: torch.Tensor | None = 
     return torch.cat(outs, 2), state
 
 
-def _first_short(global_tokens: int) -> int:
-    """Position of the first step the short path takes: a position has left the window
-    (features exist) and the leaving one, p - W, is past the global tokens."""
-    return max(W + 1, W + global_tokens)
+def _short(p: int, global_tokens: int) -> bool:
+    """Whether the one-position step at position ``p`` takes the short path: past the
+    global tokens, while the window fills (p < W), or once a position has left it (the
+    features exist from p = W + 1) and the leaving one, p - W, is not global."""
+    return global_tokens <= p < W or p >= W + max(1, global_tokens)
+
+
+def _expected(global_tokens: int, start: int = PREFILL, stop: int = N) -> list[bool]:
+    """The short path's calls (declined ones included) for the steps ``start .. stop - 1``."""
+    return [True for p in range(start, stop) if _short(p, global_tokens)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -78,8 +84,7 @@ def test_short_path_equals_the_guarded_step(feature_map: str, global_tokens: int
     ref, ref_state = _decode(est, q, k, v, guarded=True)
     assert taken == []
     got, state = _decode(est, q, k, v)
-    first = _first_short(global_tokens)
-    assert taken == [True] * (N - first)
+    assert taken == _expected(global_tokens) and len(taken) >= N - PREFILL - 2
     tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 2e-5, "atol": 2e-6}
     torch.testing.assert_close(got, ref, **tol)
     for name in ("keys", "values", "valid", "sink_keys", "sink_values", "sink_valid", "poisoned"):
@@ -104,11 +109,11 @@ def test_non_finite_inputs_go_to_the_guarded_step(where: str, taken: list[bool])
     assert torch.equal(got.isnan(), ref.isnan()) and bool(got.isnan().any())
     torch.testing.assert_close(got[~ref.isnan()], ref[~ref.isnan()], rtol=1e-12, atol=1e-12)
     assert torch.equal(state.poisoned, ref_state.poisoned)
-    before = t - _first_short(0)
+    before = _expected(0, stop=t)
     if where == "q":  # its own row only; later steps go short again
-        assert taken == [True] * before + [False] + [True] * (N - t - 1)
+        assert taken == [*before, False, *_expected(0, start=t + 1)]
     else:  # the head is poisoned: every later step is guarded (and declines the short path)
-        assert taken == [True] * before + [False] * (N - t)
+        assert taken == before + [False] * (N - t)
 
 
 def test_padding_in_the_window_and_autograd_take_the_guarded_step(taken: list[bool]) -> None:
@@ -127,8 +132,9 @@ def test_padding_in_the_window_and_autograd_take_the_guarded_step(taken: list[bo
             rows.append(out)
     got = torch.cat(rows, 2)
     torch.testing.assert_close(got, ref[:, :, PREFILL:], rtol=1e-12, atol=1e-12)
-    # p = W + 1 finds the padded position's slot still invalid (it leaves now): declined; then valid again
-    assert taken == [False] + [True] * (N - _first_short(0) - 1)
+    # while the window fills the padded slot is masked (short path); p = W + 1 finds it still invalid as
+    # it leaves: declined; then valid again
+    assert taken == [*_expected(0, stop=W + 1), False, *_expected(0, start=W + 2)]
     taken.clear()
     with torch.enable_grad():
         est.step(q[:, :, N - 1 :], k[:, :, N - 1 :], v[:, :, N - 1 :], state)
@@ -168,3 +174,18 @@ def test_a_padded_global_token_declines(taken: list[bool]) -> None:
         ref, _ = est.step(q[:, :, 10:11], k[:, :, 10:11], v[:, :, 10:11], state)
         del est._step_finite
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_a_head_poisoned_while_the_window_fills_stays_guarded(taken: list[bool]) -> None:
+    est = ka.create("sliding-window", window=16, feature_map="hedgehog", num_features=16, seed=5)
+    est = est.to(torch.float64).eval()
+    q, k, v = _inputs(torch.float64, seed=5)
+    v[0, 1, 6, 2] = float("nan")  # p = 6 < window: the ring buffer is still filling
+    ref, ref_state = _decode(est, q, k, v, guarded=True)
+    got, state = _decode(est, q, k, v)
+    assert torch.equal(got.isnan(), ref.isnan()) and bool(got[0, 1, 6:].isnan().all())
+    torch.testing.assert_close(got[~ref.isnan()], ref[~ref.isnan()], rtol=1e-12, atol=1e-12)
+    assert torch.equal(state.poisoned, ref_state.poisoned)
+    # p = 3..5 short; from 6 on the NaN, then the poisoned head, declines (p = 16 = window, the first
+    # position to leave, is not offered: no feature state yet)
+    assert taken == [True] * 3 + [False] * (N - 6 - 1)
