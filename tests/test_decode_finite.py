@@ -184,3 +184,23 @@ def test_a_state_or_input_it_cannot_continue_is_refused_as_before(taken: list[bo
         with pytest.raises(InputError, match="v: expected leading dimensions"):
             est.step(q[:, :, one], k[:, :, one], v[:1, :, one], own)
     assert taken == []
+
+
+def test_a_scale_or_eps_changed_between_steps_is_read_at_each_step(taken: list[bool]) -> None:
+    q, k, v = _inputs(torch.float64, seed=4)
+    outs = []
+    for guarded in (True, False):
+        est = _est("prf", {"num_features": 16}, torch.float64)
+        if guarded:
+            est._step_finite = lambda *args: None
+        rows = []
+        with torch.no_grad():
+            _, state = est.step(q[:, :, :PREFILL], k[:, :, :PREFILL], v[:, :, :PREFILL])
+            for t in range(PREFILL, N):
+                if t == 7:
+                    est.scale = 0.05  # from 1/sqrt(d) = 0.35: the logits shrink from here on
+                out, state = est.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state)
+                rows.append(out)
+        outs.append(torch.cat(rows, 2))
+    assert taken == [True] * (N - PREFILL)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-12)

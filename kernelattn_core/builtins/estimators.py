@@ -359,9 +359,7 @@ class FeatureMapAttention(AttentionEstimator):
             return None
         b, h, _, d = q.shape
         dv = v.shape[-1]
-        d_feat = fm.feature_dim
-        eps = self.normalizer.eps if self.normalizer.eps is not None else torch.finfo(q.dtype).tiny
-        return (owner, (b, h, 1, d), (b, h, 1, dv), (b, h, d_feat, dv), q.dtype, self._input_root(d), float(eps))
+        return (owner, (b, h, 1, d), (b, h, 1, dv), (b, h, fm.feature_dim, dv), q.dtype)
 
     def _step_finite(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: object
@@ -377,13 +375,15 @@ class FeatureMapAttention(AttentionEstimator):
         plan = getattr(self, "_finite_step", None)
         if plan is None or type(state) is not CausalState or state.poisoned is not None:
             return None
-        owner, q_shape, v_shape, kv_shape, dtype, root, eps = plan
+        owner, q_shape, v_shape, kv_shape, dtype = plan
         if state.owner is not owner or state.kv.shape != kv_shape or state.kv.dtype != dtype:
             return None
         for x, shape in ((q, q_shape), (k, q_shape), (v, v_shape)):
             if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype or x.device.type != "cpu":
                 return None
         fm = self.feature_map
+        root = self._input_root(q.shape[-1])  # read now: scale and eps may change between steps
+        eps = self.normalizer.eps if self.normalizer.eps is not None else torch.finfo(dtype).tiny
         phi_q, phi_k = fm._features(q * root, True), fm._features(k * root, False)
         done = decode_one_finite(phi_q, phi_k, v, state, log_space=fm.log_space, eps=eps)
         if done is None:

@@ -302,7 +302,7 @@ class SlidingWindowAttention(AttentionEstimator):
         if not plain:
             return None
         b, h, _, d = q.shape
-        return (owner, (b, h, 1, d), (b, h, 1, v.shape[-1]), q.dtype, self._input_root(d))
+        return (owner, (b, h, 1, d), (b, h, 1, v.shape[-1]), q.dtype)
 
     def _step_finite(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: object
@@ -316,7 +316,7 @@ class SlidingWindowAttention(AttentionEstimator):
         plan = getattr(self, "_finite_step", None)
         if plan is None or type(state) is not WindowState:
             return None
-        owner, q_shape, v_shape, dtype, root = plan
+        owner, q_shape, v_shape, dtype = plan
         p, w, g = state.length, self.window, self.global_tokens
         if state.owner is not owner or p < g or (p >= w and (state.features is None or p - w < g)):
             return None
@@ -324,6 +324,7 @@ class SlidingWindowAttention(AttentionEstimator):
             if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype or x.device.type != "cpu":
                 return None
         fm = self.feature_map
+        root = self._input_root(q.shape[-1])  # read now: the scale may change between steps
         q, k = q * root, k * root
         done = window_step_finite(
             state,
