@@ -403,11 +403,11 @@ def _noncausal(
             idx = torch.arange(nb, device=device)
             far_of = ((idx[:, None] - idx[None, :]).abs() >= 2).to(dtype)  # [nb, nb]
             far = (far_of @ s_blk.flatten(-2)).unflatten(-1, s_blk.shape[-2:])
-        else:  # linear in nb: an exclusive prefix and a suffix sum
-            pre = s_blk.cumsum(2)
-            suf = s_blk.flip(2).cumsum(2).flip(2)
-            zero = torch.zeros_like(s_blk[:, :, :2])
-            far = torch.cat([zero, pre[:, :, :-2]], 2) + torch.cat([suf[:, :, 2:], zero], 2)
+        else:  # linear in nb: one prefix sum P; far_b = P_{b-2} + (P_{nb-1} - P_{b+1})
+            pre = s_blk.cumsum(2)  # inclusive
+            total = pre[:, :, -1:]
+            left = torch.cat([torch.zeros_like(s_blk[:, :, :2]), pre[:, :, :-2]], 2)
+            far = left + (total - torch.cat([pre[:, :, 1:], total], 2))  # the last block: total - total
         nf = nf + fqb @ far
 
     # one log-normaliser per row
