@@ -603,8 +603,8 @@ def window_step_finite(
     slot = p % window
     b, h, _, d = q.shape
     dv, bh = v.shape[-1], b * h
-    if p < window:
-        return _filling_step(state, q, k, v, slot, global_tokens)
+    if p < window:  # no position has left: no feature part (a state that has one is not ours to shortcut)
+        return _filling_step(state, q, k, v, slot, global_tokens) if f is None else None
     # the position p - w leaves the window for the features
     lk = key_features(state.keys[:, :, slot : slot + 1])  # [B, H, 1, D]
     d_feat = lk.shape[-1]
