@@ -31,7 +31,8 @@ Engine helpers
     references (``kernel_attention_naive``, ``feature_attention_naive``,
     ``decayed_linear_attention_naive``), the quarantine of
     non-finite rows (``allowed_pairs``, ``isolated_pre``, ``isolated_rows``,
-    ``non_finite_rows``, ``poison_rows``, ``quarantine_non_finite``), ``absorb_keys``,
+    ``non_finite_rows``, ``poison_rows``, ``quarantine_non_finite``), ``absorb_keys`` (and
+    ``absorb_one_finite``, its one-key form without the quarantine),
     ``compute_dtype``, the causal recurrence (``causal_linear_attention``, with its optional
     per-position log-decay), and the backends (``Backend``, ``Problem``, ``register_backend``,
     ``select_backend``, ``attend_features``, ``attend_normalized``).
@@ -110,7 +111,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
         )
     },
     **{n: ("kernelattn_core.validation", n) for n in ("isolated_rows", "non_finite_rows")},
-    **{n: ("kernelattn_core.engine.torch_backend", n) for n in ("absorb_keys", "compute_dtype")},
+    **{n: ("kernelattn_core.engine.torch_backend", n) for n in ("absorb_keys", "absorb_one_finite", "compute_dtype")},
     "causal_linear_attention": ("kernelattn_core.engine.chunked", "causal_linear_attention"),
     **{
         n: ("kernelattn_core.engine.backends", n)

@@ -68,6 +68,8 @@ float16) and the caller casts the output back.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .chunked import (  # noqa: F401 - CausalInputs, query_side, _bad_rows: re-exported (moved to chunked.py)
@@ -331,9 +333,38 @@ def decode_one_finite(
     dv = v.shape[-1]
     if not (phi_q.dtype == phi_k.dtype == v.dtype == state.kv.dtype) or phi_q.shape != phi_k.shape:
         return None  # a map that changes the dtype or the width: the guarded step casts and checks
-    lq, lk, vv = phi_q.reshape(b * h, 1, d_feat), phi_k.reshape(b * h, d_feat, 1), v.reshape(b * h, 1, dv)
+    lq = phi_q.reshape(b * h, 1, d_feat)
+    check = lq.sum() + phi_k.sum() + v.sum()
+    # m_old = -inf (no key yet) needs no check: restate is 0 on an all-zero state, and with
+    # an all -inf key row too, fk is NaN and the denominator check below declines
+    new = absorb_one_finite(state, phi_k, v, log_space=log_space)
+    fq = (lq - lq.amax(-1, keepdim=True)).exp_() if log_space else lq  # [BH, 1, D]
+    num = torch.bmm(fq, new.kv.view(b * h, d_feat, dv))  # [BH, 1, dv]
+    den = torch.bmm(fq, new.z.view(b * h, d_feat, 1))  # [BH, 1, 1]
+    if not bool(torch.isfinite(check) & (den.abs().amin() >= eps)):
+        return None
+    return (num / den).view(b, h, 1, dv), new
+
+
+def absorb_one_finite(state: CausalState, phi_k: torch.Tensor, v: torch.Tensor, *, log_space: bool) -> CausalState:
+    """The state continued with one key of every head, without the quarantine of
+    :func:`absorb_keys`: for a finite key row ``phi_k [B, H, 1, D]`` (log-features when
+    ``log_space``) and value ``v [B, H, 1, dv]`` of the state's dtype (the caller checks
+    finiteness, once, for its whole step),
+
+    .. math::
+        c' = \\max(c, \\max_D l_k), \\quad S' = e^{c - c'} S + e^{l_k - c'} v^\\top, \\quad
+        z' = e^{c - c'} z + e^{l_k - c'}
+
+    (plain maps: :math:`S' = S + \\phi_k v^\\top`, :math:`z' = z + \\phi_k`). A new state;
+    ``state`` is not modified and its other fields (``poisoned``, ``owner``) carry over. The
+    one update of the decoding short paths: a feature-map step
+    (:func:`decode_one_finite`) and the key leaving ``sliding-window``'s window."""
+    b, h, _, d_feat = phi_k.shape
+    dv = v.shape[-1]
+    lk, vv = phi_k.reshape(b * h, d_feat, 1), v.reshape(b * h, 1, dv)
     kv, z = state.kv.reshape(b * h, d_feat, dv), state.z.reshape(b * h, 1, d_feat)
-    check = lq.sum() + lk.sum() + vv.sum()
+    m = None
     if log_space:
         assert state.m is not None
         m_old = state.m.reshape(b * h, 1, 1)
@@ -342,21 +373,13 @@ def decode_one_finite(
         fk = (lk - m_new).exp_()  # [BH, D, 1], <= 1
         kv = torch.addcmul(kv * restate, fk, vv)  # outer product; baddbmm is ~4x slower here
         z = (z * restate).add_(fk.mT)
-        fq = (lq - lq.amax(-1, keepdim=True)).exp_()  # [BH, 1, D]
-        # m_old = -inf (no key yet) needs no check: restate is 0 on an all-zero state, and
-        # with an all -inf key row too, fk is NaN and the denominator check below declines
+        m = m_new.view(b, h, 1)
     else:
         kv = torch.addcmul(kv, lk, vv)
         z = z + lk.mT
-        fq = lq
-        m_new = None
-    num = torch.bmm(fq, kv)  # [BH, 1, dv]
-    den = torch.bmm(fq, z.mT)  # [BH, 1, 1]
-    if not bool(torch.isfinite(check) & (den.abs().amin() >= eps)):
-        return None
-    out = (num / den).view(b, h, 1, dv)
-    m = None if m_new is None else m_new.view(b, h, 1)
-    return out, CausalState(kv.view(b, h, d_feat, dv), z.view(b, h, d_feat), m, state.length + 1, None)
+    return dataclasses.replace(
+        state, kv=kv.view(b, h, d_feat, dv), z=z.view(b, h, d_feat), m=m, length=state.length + 1
+    )
 
 
 def absorb_keys(

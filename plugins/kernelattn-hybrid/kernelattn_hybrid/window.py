@@ -61,11 +61,13 @@ capped at :math:`\\tfrac12 \\log` of the dtype's largest number (it only binds w
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from kernelattn_core.toolkit import absorb_one_finite
 
 NEG = float("-inf")
 
@@ -610,20 +612,7 @@ def window_step_finite(
     d_feat = lk.shape[-1]
     if not (lk.dtype == phi_q.dtype == q.dtype == f.kv.dtype) or phi_q.shape[-1] != d_feat:
         return None  # a map that changes the dtype or the width: the guarded step casts and checks
-    lk = lk.reshape(bh, d_feat, 1)
-    v_old = state.values[:, :, slot].reshape(bh, 1, dv)
-    kv, z = f.kv.reshape(bh, d_feat, dv), f.z.reshape(bh, 1, d_feat)
-    if log_space:
-        c_old = f.m.reshape(bh, 1, 1)
-        c = torch.maximum(c_old, lk.amax(1, keepdim=True))  # [BH, 1, 1]
-        restate = (c_old - c).exp_()
-        fk = (lk - c).exp_()
-        kv = torch.addcmul(kv * restate, fk, v_old)  # outer product; baddbmm is ~4x slower here
-        z = (z * restate).add_(fk.mT)
-    else:
-        kv = torch.addcmul(kv, lk, v_old)
-        z = z + lk.mT
-        c = None
+    features = absorb_one_finite(f, lk, state.values[:, :, slot : slot + 1], log_space=log_space)
     # the new key takes the slot (the slot stays valid: the check below covers it)
     keys, values = state.keys.clone(), state.values.clone()
     keys[:, :, slot] = k[:, :, 0]
@@ -644,12 +633,12 @@ def window_step_finite(
     if log_space:
         a = lq.amax(-1, keepdim=True)
         fq = (lq - a).exp_()
-        m_f = a + c
+        m_f = a + features.m.view(bh, 1, 1)
     else:
         fq = lq
         m_f = torch.zeros_like(m_e)
-    num_f = torch.bmm(fq, kv)
-    den_f = torch.bmm(fq, z.mT)
+    num_f = torch.bmm(fq, features.kv.view(bh, d_feat, dv))
+    den_f = torch.bmm(fq, features.z.view(bh, d_feat, 1))
     # one log-normaliser for the row
     top = torch.maximum(m_e + den_e.log(), m_f + den_f.abs().log())
     w_e = (m_e - top).exp_()  # <= 1 without a clamp: den_e >= 1 (its largest term is e^0)
@@ -663,8 +652,6 @@ def window_step_finite(
     if not bool(ok):
         return None
     out = (num / den).reshape(b, h, 1, dv)
-    m = None if c is None else c.reshape(b, h, 1)
-    features = replace(f, kv=kv.reshape(b, h, d_feat, dv), z=z.reshape(b, h, d_feat), m=m, length=f.length + 1)
     new = WindowState(
         keys,
         values,
