@@ -73,9 +73,11 @@ def sliding_window_reference_no_globals(
 
 #: every window mode (seq_len 23, block max(window, 32)): none, inside a block, several
 #: blocks of 4 positions (block_size 4: far blocks, the causal prefix scan), covering the
-#: whole sequence; global tokens with each; three kinds of map
+#: whole sequence; global tokens with each; three kinds of map; and the dense form that
+#: short inputs take when no block length is given (``block_size=None``)
 SLIDING_WINDOW_GRID: tuple[dict[str, Any], ...] = (
     {"window": 3, "global_tokens": 2, "block_size": 4},
+    {"window": 3, "global_tokens": 2, "block_size": None},
     {"window": 0},
     {"window": 1, "global_tokens": 3, "block_size": 4, "feature_map": "prf"},
     {"window": 4, "block_size": 4, "feature_map": "elu"},

@@ -21,11 +21,13 @@ from kernelattn_core.toolkit import (
     compute_dtype,
 )
 
+from . import window as window_module
 from .claims import SLIDING_WINDOW_CLAIMS
 from .window import (
     WindowState,
     empty_window_state,
     window_attention_blocked,
+    window_attention_dense,
     window_step_finite,
     window_step_one,
     window_weights_rows,
@@ -80,7 +82,11 @@ class SlidingWindowAttention(AttentionEstimator):
     global_tokens : int
         The first this many keys are always exact (counted in :attr:`budget`).
     block_size : int, optional
-        Block length of the blocked computation; ``max(window, 32)`` by default.
+        Block length of the blocked computation; ``max(window, 32)`` by default. Given, the
+        blocked computation runs at every length; by default inputs of at most
+        :data:`~kernelattn_hybrid.window.DENSE_MAX_PAIRS` query-key pairs per head take the
+        dense form (:func:`~kernelattn_hybrid.window.window_attention_dense`, the same rows,
+        faster there). ``last_backend`` says which ran.
     redraw_every, seed : int
         Redraw policy of random maps (see :class:`~kernelattn_core.redraw.RedrawPolicy`).
     scale : float, optional
@@ -206,6 +212,21 @@ class SlidingWindowAttention(AttentionEstimator):
         phi_k = fm.raw_features(k, query=False).to(dtype)  # [B, H, M, D]
         block = self.block_size or max(self.window, MIN_BLOCK)
         block = min(block, max(q.shape[-2], k.shape[-2], self.window, 1))
+        if self.block_size is None and q.shape[-2] * k.shape[-2] <= window_module.DENSE_MAX_PAIRS:
+            self.last_backend = "dense"
+            out = window_attention_dense(
+                q.to(dtype),
+                k.to(dtype),
+                v.to(dtype),
+                phi_q,
+                phi_k,
+                log_space=fm.log_space,
+                window=self.window,
+                global_tokens=self.global_tokens,
+                causal=causal,
+                key_padding_mask=key_padding_mask,
+            )
+            return out.to(v.dtype)
         self.last_backend = "blocked"
         out = window_attention_blocked(
             q.to(dtype),

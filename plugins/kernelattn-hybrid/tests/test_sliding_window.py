@@ -1,5 +1,9 @@
-"""sliding-window: the blocked path against the quadratic reference (outputs and
-gradients), masks, causality, the exact limit, budgets and errors."""
+"""sliding-window: the blocked and the dense path against the quadratic reference (outputs
+and gradients), masks, causality, the exact limit, budgets and errors.
+
+The estimator-level tests run twice (the ``path`` fixture): short inputs take the dense
+path (:data:`~kernelattn_hybrid.window.DENSE_MAX_PAIRS`), so each is also run with the
+blocked path forced."""
 
 from __future__ import annotations
 
@@ -8,13 +12,30 @@ import itertools
 import pytest
 import torch
 from kernelattn_hybrid import SlidingWindowAttention
+from kernelattn_hybrid import window as win
 from kernelattn_hybrid.naive import exact_sets, window_attention_naive
-from kernelattn_hybrid.window import window_attention_blocked
+from kernelattn_hybrid.window import window_attention_blocked, window_attention_dense
 
 import kernelattn_core as ka
 from kernelattn_core.toolkit import InputError
 
 F64 = torch.float64
+DENSE_SIDE = int(win.DENSE_MAX_PAIRS**0.5)  # the default threshold, read before any test patches it
+
+
+@pytest.fixture(autouse=True, params=["dense", "blocked"])
+def path(request, monkeypatch):  # type: ignore[no-untyped-def]
+    """The estimator's path for short inputs: dense (the default there) or blocked (forced)."""
+    if request.param == "blocked":
+        monkeypatch.setattr(win, "DENSE_MAX_PAIRS", 0)
+    return request.param
+
+
+def _fast(path: str, *xs: torch.Tensor, block: int = 4, **kw) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The function of ``path``: the dense form, or the blocked one with blocks of ``block``."""
+    if path == "dense":
+        return window_attention_dense(*xs, **kw)
+    return window_attention_blocked(*xs, block_size=block, **kw)
 
 
 def _rand(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -40,32 +61,32 @@ def _mask(m: int) -> torch.Tensor:
     ("n", "window", "glob", "causal", "log_space", "padded"),
     list(itertools.product([1, 7, 29], [0, 2, 5], [0, 2], [False, True], [True, False], [False, True])),
 )
-def test_blocked_matches_naive(n, window, glob, causal, log_space, padded):
+def test_fast_paths_match_naive(path, n, window, glob, causal, log_space, padded):
     q, k, v, pq, pk = _problem(n, n, log_space=log_space)
     mask = _mask(n) if padded else None
     kw = dict(log_space=log_space, window=window, global_tokens=glob, causal=causal, key_padding_mask=mask)
     ref = window_attention_naive(q, k, v, pq, pk, **kw)
     for block in sorted({max(window, 1), max(window, 4), 8}):  # the block length changes nothing
-        out = window_attention_blocked(q, k, v, pq, pk, block_size=block, **kw)
+        out = _fast(path, q, k, v, pq, pk, block=block, **kw)
         torch.testing.assert_close(out, ref, rtol=1e-11, atol=1e-12)
 
 
 @pytest.mark.parametrize(("n", "m"), [(5, 13), (13, 5), (20, 7)])
-def test_cross_attention_matches_naive(n, m):
+def test_cross_attention_matches_naive(path, n, m):
     q, k, v, pq, pk = _problem(n, m)
     kw = dict(log_space=True, window=2, global_tokens=1, causal=False, key_padding_mask=None)
-    out = window_attention_blocked(q, k, v, pq, pk, block_size=4, **kw)
+    out = _fast(path, q, k, v, pq, pk, **kw)
     torch.testing.assert_close(out, window_attention_naive(q, k, v, pq, pk, **kw), rtol=1e-11, atol=1e-12)
 
 
 @pytest.mark.parametrize(("causal", "log_space"), [(False, True), (True, True), (True, False), (False, False)])
-def test_gradients_match_naive_and_gradcheck(causal, log_space):
+def test_gradients_match_naive_and_gradcheck(path, causal, log_space):
     q, k, v, pq, pk = (t[:, :1] for t in _problem(10, 10, d=3, feats=3, dv=2, seed=5, log_space=log_space))
     inputs = [t.clone().requires_grad_() for t in (q, k, v, pq, pk)]
     kw = dict(log_space=log_space, window=2, global_tokens=1, causal=causal, key_padding_mask=_mask(10))
 
     def fast(*xs):
-        return window_attention_blocked(*xs, block_size=4, **kw)
+        return _fast(path, *xs, **kw)
 
     torch.autograd.gradcheck(fast, inputs)
     w = _rand(2, 1, 10, 2, seed=9)
@@ -250,6 +271,46 @@ def test_memory_is_linear_in_sequence_length(causal):
     assert biggest[1024] <= 4.5 * biggest[256], biggest
 
 
+def test_short_inputs_take_the_dense_path_and_long_ones_the_blocked_one(path):
+    est = _est(3, num_features=8)
+    side = DENSE_SIDE
+    for n, m, want in ((side, side, path), (side + 1, side, "blocked"), (1, side * side + 1, "blocked")):
+        q, v = _rand(1, 1, n, 8, seed=40), _rand(1, 1, m, 2, seed=41)
+        est(q, _rand(1, 1, m, 8, seed=42), v)
+        assert est.last_backend == want, (n, m)
+    # an explicit block length asks for the blocked computation at every length
+    blocked = _est(3, num_features=8, block_size=4)
+    blocked(_rand(1, 1, 5, 8, seed=40), _rand(1, 1, 5, 8, seed=42), _rand(1, 1, 5, 2, seed=41))
+    assert blocked.last_backend == "blocked"
+
+
+def test_dense_path_at_the_threshold_matches_the_blocked_one_with_gradients(monkeypatch):
+    # the largest input the estimator sends to the dense path, a trained-size spread of the
+    # logits: in float64 the two paths agree to rounding; in float32 (training) the dense
+    # path is as close to float64 as the blocked one (error relative to each tensor's largest
+    # entry; both measured ~2e-6 on the gradients)
+    est = _est(16, num_features=16)
+    q, k, v = (_rand(2, 2, DENSE_SIDE, 8, seed=s, scale=3.0) for s in (43, 44, 45))
+    mask = torch.zeros(2, DENSE_SIDE, dtype=torch.bool)
+    mask[1, DENSE_SIDE // 3 :] = True
+    got = {}
+    for dtype in (torch.float32, F64):
+        for name, limit in (("dense", DENSE_SIDE**2), ("blocked", 0)):
+            monkeypatch.setattr(win, "DENSE_MAX_PAIRS", limit)
+            for causal in (False, True):
+                xs = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]
+                out = est.to(dtype)(*xs, causal=causal, key_padding_mask=None if causal else mask)
+                assert est.last_backend == name
+                out.square().sum().backward()
+                got[dtype, name, causal] = [out.detach().double()] + [x.grad.double() for x in xs]
+    for causal in (False, True):
+        ref = got[F64, "blocked", causal]
+        for a, b in zip(got[F64, "dense", causal], ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-12)
+        for a, b in zip(got[torch.float32, "dense", causal], ref, strict=True):
+            assert float((a - b).abs().max() / b.abs().max()) < 2e-5
+
+
 # ---------------------------------------------------------------- rows of the weight matrix (fitting)
 
 
@@ -272,7 +333,7 @@ def test_rows_weights_are_the_naive_weight_matrix(window, glob, causal, log_spac
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_estimator_attention_rows_match_one_hot_values_with_gradients(causal):
+def test_estimator_attention_rows_match_one_hot_values_with_gradients(path, causal):
     n = 40
     q, k = _rand(1, 2, n, 8, seed=5, scale=1.5), _rand(1, 2, n, 8, seed=6, scale=1.5)
     est = ka.create("sliding-window", window=3, num_features=6, num_heads=2, global_tokens=1).double()
@@ -283,12 +344,12 @@ def test_estimator_attention_rows_match_one_hot_values_with_gradients(causal):
     eye = torch.eye(n, dtype=F64).expand(1, 2, n, n)
     ref = est(q, k, eye, causal=causal, key_padding_mask=mask)[:, :, rows]
     torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
-    # the fit's gradients (hedgehog's weights) agree with those through the blocked path
+    # the fit's gradients (hedgehog's weights) agree with those through the forward path
     g_rows = torch.autograd.grad(got.square().sum(), list(est.parameters()))
     g_ref = torch.autograd.grad(ref.square().sum(), list(est.parameters()))
     for a, b in zip(g_rows, g_ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
-    assert est.last_backend == "blocked"  # the reference call ran last; the rows call did not use it
+    assert est.last_backend == path  # the reference call ran last; the rows call did not use it
 
 
 def test_attention_rows_default_is_one_hot_values_and_validates():
@@ -305,7 +366,7 @@ def test_attention_rows_default_is_one_hot_values_and_validates():
 
 
 @pytest.mark.parametrize("nb", [1, 2, 3, 4, 10, 17])
-def test_causal_feature_part_across_many_blocks_with_a_jump_of_300(nb):
+def test_causal_feature_part_across_many_blocks_with_a_jump_of_300(path, nb):
     """The causal feature part (the engine's causal recurrence over the keys delayed by the
     window) against the quadratic reference, outputs and gradients, over ``nb`` blocks of 4
     with a jump of 300 in the key log-features halfway (the stabiliser moves by 300)."""
@@ -316,7 +377,7 @@ def test_causal_feature_part_across_many_blocks_with_a_jump_of_300(nb):
     pq, pk = pq.requires_grad_(), pk.requires_grad_()
     q, k, v = q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
     kw = {"log_space": True, "window": 3, "global_tokens": 1, "causal": True, "key_padding_mask": None}
-    out = window_attention_blocked(q, k, v, pq, pk, block_size=4, **kw)
+    out = _fast(path, q, k, v, pq, pk, **kw)
     ref = window_attention_naive(q, k, v, pq, pk, **kw)
     torch.testing.assert_close(out, ref, rtol=1e-11, atol=1e-12)
     w = _rand(*out.shape, seed=nb + 7)
@@ -352,18 +413,20 @@ def test_single_key_at_norm_ten_gives_its_value_and_zero_logit_gradients(dtype, 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window", [16, 2])
-def test_float32_at_norm_ten_matches_float64_with_gradients(causal, window):
+def test_float32_at_norm_ten_matches_float64_with_gradients(path, causal, window):
     # exact and feature parts far apart in scale (diagonal logits -100, feature bounds +20):
     # float32 outputs and gradients must agree with the same estimator in float64
     n = 23
     q, k, v = _opposed(n, 3, 10.0, F64, seed=31)
-    est = ka.create("sliding-window", window=window, num_features=16, block_size=max(window, 4)).eval()
+    block = max(window, 4) if path == "blocked" else None  # None: the dense path at this length
+    est = ka.create("sliding-window", window=window, num_features=16, block_size=block).eval()
     grads = {}
     for dtype in (torch.float32, F64):
         xs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
         out = est.to(dtype)(*xs, causal=causal)
         (out * _rand(*out.shape, seed=32).to(dtype)).sum().backward()
         grads[dtype] = [out.detach()] + [x.grad for x in xs]
+        assert est.last_backend == path
     for name, a, b in zip(("out", "q.grad", "k.grad", "v.grad"), grads[torch.float32], grads[F64], strict=True):
         assert bool(torch.isfinite(a).all()), name
         torch.testing.assert_close(a.double(), b, rtol=2e-3, atol=2e-4, msg=name)
