@@ -181,6 +181,14 @@ def test_cli_json_csv_and_plot(tmp_path, capsys) -> None:  # type: ignore[no-unt
     assert lines[0].startswith("task,estimator,budget,accuracy") and len(lines) == 5
 
 
+def test_cli_streamed_columns_fit_long_estimator_names(capsys) -> None:  # type: ignore[no-untyped-def]
+    long = "sliding-window:init=prf"  # longer than the default column
+    assert main(["tasks", "--task", "mqar", "--estimator", long, "--budget", "8", "--steps", "1", "--no-progress"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header, row = lines[0], next(line for line in lines if long in line)
+    assert row.index(" 8 ") + 1 == header.index("budget")  # the budget sits under its header
+
+
 def test_cli_refuses_bad_arguments_before_training(capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["tasks", "--budget", "0"]) == 2
     assert "--budget: expected a positive integer, got 0" in capsys.readouterr().err

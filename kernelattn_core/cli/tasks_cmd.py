@@ -95,7 +95,11 @@ def run(args: argparse.Namespace) -> int:
     budgets = args.budget or (list(preset.budgets) if preset else [64])
     seeds = args.seeds if args.seeds is not None else (list(preset.seeds) if preset else [0])
     to_stdout = not args.output and fmt != "table"
-    stream = None if to_stdout else RowStream(COLUMNS, WIDTHS)
+    # the estimator column as wide as the longest name asked for (rows stream in, so the
+    # widths are fixed before the first one)
+    longest = max((len(e) for e in estimators or []), default=0)
+    widths = {**WIDTHS, "estimator": max(WIDTHS["estimator"], longest)}
+    stream = None if to_stdout else RowStream(COLUMNS, widths)
     records = run_tasks(
         tasks,
         estimators,
