@@ -167,3 +167,24 @@ def test_causal_chunk_size(benchmark, chunk: int) -> None:  # type: ignore[no-un
     benchmark.pedantic(
         lambda: torch.autograd.grad(est(q, k, v, causal=True).sum(), (q, k, v)), rounds=3, warmup_rounds=1
     )
+
+
+@pytest.mark.parametrize("n", [64, 128, 256])
+@pytest.mark.parametrize("path", ["dense", "blocked"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_window_short_inputs(benchmark, monkeypatch, causal: bool, path: str, n: int) -> None:  # type: ignore[no-untyped-def]
+    """How ``sliding-window``'s dense threshold (``DENSE_MAX_PAIRS``) was chosen: a training
+    call (forward + backward) at the task benchmarks' shapes (batch 32, 2 heads of width 32,
+    window 16 + 48 features), dense against blocked at each length."""
+    window = pytest.importorskip("kernelattn_hybrid.window")
+    monkeypatch.setattr(window, "DENSE_MAX_PAIRS", 10**12 if path == "dense" else 0)
+    benchmark.group = f"sliding-window {'causal' if causal else 'non-causal'} fwd+bwd N={n}"
+    est = ka.create("sliding-window", window=16, num_features=48, num_heads=2, head_dim=32, init="prf")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = ((torch.randn(32, 2, n, 32, generator=g) * 0.5).requires_grad_() for _ in range(3))
+
+    def call() -> None:
+        torch.autograd.grad(est(q, k, v, causal=causal).sum(), (q, k, v))
+        assert est.last_backend == path
+
+    benchmark.pedantic(call, rounds=5, warmup_rounds=1)
