@@ -34,8 +34,9 @@ Engine helpers
     ``non_finite_rows``, ``poison_rows``, ``quarantine_non_finite``), ``absorb_keys`` (and
     ``absorb_one_finite``, its one-key form without the quarantine),
     ``compute_dtype``, ``exp_nonpositive`` (stabilised exponentials that stay on the CPU's
-    fast path), the causal recurrence (``causal_linear_attention``, with its optional
-    per-position log-decay), and the backends (``Backend``, ``Problem``, ``register_backend``,
+    fast path), ``prefix_stabiliser`` (the causal-safe running maximum), the causal
+    recurrence (``causal_linear_attention``, with its optional per-position log-decay), and
+    the backends (``Backend``, ``Problem``, ``register_backend``,
     ``select_backend``, ``attend_features``, ``attend_normalized``).
 Claims and verification
     every claim type of :mod:`kernelattn_core.claims`, ``check_claim``, ``z_threshold``.
@@ -115,6 +116,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("kernelattn_core.engine.torch_backend", n) for n in ("absorb_keys", "absorb_one_finite", "compute_dtype")},
     "causal_linear_attention": ("kernelattn_core.engine.chunked", "causal_linear_attention"),
     "exp_nonpositive": ("kernelattn_core.engine.chunked", "exp_nonpositive"),
+    "prefix_stabiliser": ("kernelattn_core.engine.chunked", "prefix_stabiliser"),
     **{
         n: ("kernelattn_core.engine.backends", n)
         for n in ("Backend", "Problem", "attend_features", "attend_normalized", "register_backend", "select_backend")

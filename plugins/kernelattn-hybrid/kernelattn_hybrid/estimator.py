@@ -212,35 +212,19 @@ class SlidingWindowAttention(AttentionEstimator):
         phi_k = fm.raw_features(k, query=False).to(dtype)  # [B, H, M, D]
         block = self.block_size or max(self.window, MIN_BLOCK)
         block = min(block, max(q.shape[-2], k.shape[-2], self.window, 1))
+        kw: dict[str, Any] = {
+            "log_space": fm.log_space,
+            "window": self.window,
+            "global_tokens": self.global_tokens,
+            "causal": causal,
+            "key_padding_mask": key_padding_mask,
+        }
         if self.block_size is None and q.shape[-2] * k.shape[-2] <= window_module.DENSE_MAX_PAIRS:
             self.last_backend = "dense"
-            out = window_attention_dense(
-                q.to(dtype),
-                k.to(dtype),
-                v.to(dtype),
-                phi_q,
-                phi_k,
-                log_space=fm.log_space,
-                window=self.window,
-                global_tokens=self.global_tokens,
-                causal=causal,
-                key_padding_mask=key_padding_mask,
-            )
-            return out.to(v.dtype)
-        self.last_backend = "blocked"
-        out = window_attention_blocked(
-            q.to(dtype),
-            k.to(dtype),
-            v.to(dtype),
-            phi_q,
-            phi_k,
-            log_space=fm.log_space,
-            window=self.window,
-            global_tokens=self.global_tokens,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            block_size=block,
-        )
+            out = window_attention_dense(q.to(dtype), k.to(dtype), v.to(dtype), phi_q, phi_k, **kw)
+        else:
+            self.last_backend = "blocked"
+            out = window_attention_blocked(q.to(dtype), k.to(dtype), v.to(dtype), phi_q, phi_k, block_size=block, **kw)
         return out.to(v.dtype)
 
     # ------------------------------------------------------------------ decoding

@@ -67,7 +67,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernelattn_core.toolkit import absorb_one_finite, exp_nonpositive
+from kernelattn_core.toolkit import absorb_one_finite, exp_nonpositive, prefix_stabiliser
 
 NEG = float("-inf")
 
@@ -212,10 +212,7 @@ def _causal(
         a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
         fq = (fq - a.unsqueeze(-1)).exp()
         lk = _rows(phi_k, length).masked_fill(~feat_key[:, None, :, None], NEG)
-        c_raw = lk.detach().amax(-1).cummax(-1).values  # [B, H, L]: prefix maximum, -inf before the first
-        finite = torch.isfinite(c_raw)
-        first = torch.where(finite, c_raw, torch.full_like(c_raw, float("inf"))).amin(-1, keepdim=True)
-        c = torch.where(finite, c_raw, torch.where(torch.isfinite(first), first, torch.zeros_like(first)))
+        _, c = prefix_stabiliser(lk.detach().amax(-1))  # [B, H, L]: prefix maximum (the first finite value before it)
         fk = (lk - c.unsqueeze(-1)).exp()  # [B, H, L, D], <= 1, non-feature keys 0
         m_f = a + c[..., delayed]  # [B, H, L]: the feature part's scale, a_i + c_{i - w}
         stab = c[..., delayed].contiguous()  # non-decreasing, finite
@@ -505,10 +502,7 @@ def window_attention_dense(
         fq = exp_nonpositive(phi_q - a)
         if causal:
             with torch.no_grad():
-                c_raw = key_max.cummax(-1).values  # prefix maximum
-                finite = torch.isfinite(c_raw)
-                first = torch.where(finite, c_raw, torch.full_like(c_raw, float("inf"))).amin(-1, keepdim=True)
-                c = torch.where(finite, c_raw, torch.where(torch.isfinite(first), first, torch.zeros_like(first)))
+                _, c = prefix_stabiliser(key_max)  # [B, H, M]: prefix maximum, finite, non-decreasing
                 c_row = c[..., (torch.arange(n, device=device) - window).clamp(0, m_keys - 1)].unsqueeze(-1)
                 gate = exp_nonpositive(c.unsqueeze(-2) - c_row, fe_f)  # [B, H, N, M]: e^{c_j - c_{i-w}}
             fk = exp_nonpositive(phi_k - c.unsqueeze(-1), fk_keep)  # [B, H, M, D], <= 1
