@@ -71,10 +71,11 @@ def test_fast_paths_match_naive(path, n, window, glob, causal, log_space, padded
         torch.testing.assert_close(out, ref, rtol=1e-11, atol=1e-12)
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(("n", "m"), [(5, 13), (13, 5), (20, 7)])
-def test_cross_attention_matches_naive(path, n, m):
+def test_cross_attention_matches_naive(path, n, m, causal):
     q, k, v, pq, pk = _problem(n, m)
-    kw = dict(log_space=True, window=2, global_tokens=1, causal=False, key_padding_mask=None)
+    kw = dict(log_space=True, window=2, global_tokens=1, causal=causal, key_padding_mask=_mask(m))
     out = _fast(path, q, k, v, pq, pk, **kw)
     torch.testing.assert_close(out, window_attention_naive(q, k, v, pq, pk, **kw), rtol=1e-11, atol=1e-12)
 
