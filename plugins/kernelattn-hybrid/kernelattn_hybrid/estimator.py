@@ -210,8 +210,6 @@ class SlidingWindowAttention(AttentionEstimator):
         dtype = compute_dtype(q.dtype)
         phi_q = fm.raw_features(q, query=True).to(dtype)  # [B, H, N, D]
         phi_k = fm.raw_features(k, query=False).to(dtype)  # [B, H, M, D]
-        block = self.block_size or max(self.window, MIN_BLOCK)
-        block = min(block, max(q.shape[-2], k.shape[-2], self.window, 1))
         kw: dict[str, Any] = {
             "log_space": fm.log_space,
             "window": self.window,
@@ -224,6 +222,8 @@ class SlidingWindowAttention(AttentionEstimator):
             out = window_attention_dense(q.to(dtype), k.to(dtype), v.to(dtype), phi_q, phi_k, **kw)
         else:
             self.last_backend = "blocked"
+            block = self.block_size or max(self.window, MIN_BLOCK)
+            block = min(block, max(q.shape[-2], k.shape[-2], self.window, 1))
             out = window_attention_blocked(q.to(dtype), k.to(dtype), v.to(dtype), phi_q, phi_k, block_size=block, **kw)
         return out.to(v.dtype)
 

@@ -426,6 +426,23 @@ def _noncausal(
     return torch.where((den > 0).unsqueeze(-1), out, torch.zeros_like(out))
 
 
+def _pair_sets(
+    rows: torch.Tensor, m_keys: int, window: int, global_tokens: int, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(exact, feat)``, boolean ``[R, M]`` for the query positions ``rows [R]``: the pairs
+    computed exactly (window and global tokens) and the other pairs the query may see (the
+    feature set; causal: keys at or before the query)."""
+    i = rows[:, None]
+    j = torch.arange(m_keys, device=rows.device)[None, :]
+    if causal:
+        seen = j <= i
+        exact = seen & ((i - j < window) | (j < global_tokens))
+    else:
+        seen = torch.ones(i.shape[0], m_keys, dtype=torch.bool, device=rows.device)
+        exact = ((i - j).abs() <= window) | (j < global_tokens)
+    return exact, seen & ~exact
+
+
 #: inputs with at most this many (query, key) pairs per head take the dense form
 #: (:func:`window_attention_dense`) instead of the blocked one. Measured 2026-11-26, one
 #: thread, dense time over blocked time: training (forward + backward of a layer, 2 heads of
@@ -468,17 +485,8 @@ def window_attention_dense(
     """
     n, m_keys = q.shape[-2], k.shape[-2]
     device, dtype = q.device, q.dtype
-    g = min(global_tokens, m_keys)
-    i = torch.arange(n, device=device)[:, None]
-    j = torch.arange(m_keys, device=device)[None, :]
-    if causal:
-        seen = j <= i
-        exact = seen & ((i - j < window) | (j < g))
-    else:
-        seen = torch.ones(n, m_keys, dtype=torch.bool, device=device)
-        exact = ((i - j).abs() <= window) | (j < g)
-    feat = seen & ~exact  # [N, M]
-    feat_key = j[0] >= g  # [M]: keys that may enter through features
+    exact, feat = _pair_sets(torch.arange(n, device=device), m_keys, window, global_tokens, causal)  # [N, M]
+    feat_key = torch.arange(m_keys, device=device) >= global_tokens  # [M]: keys that may enter through features
     if key_padding_mask is not None:
         valid = ~key_padding_mask[:, None, None, :]  # [B, 1, 1, M]
         exact, feat = exact & valid, feat & valid  # [B, 1, N, M]
@@ -568,22 +576,11 @@ def window_weights_rows(
     -------
     Tensor ``[B, H, R, M]``; a row with no allowed key is zero.
     """
-    m_keys = k.shape[-2]
-    device = q_rows.device
-    i = rows.to(device)[:, None]
-    j = torch.arange(m_keys, device=device)[None, :]
-    if causal:
-        seen = j <= i
-        in_win = seen & (i - j < window)
-    else:
-        seen = torch.ones(i.shape[0], m_keys, dtype=torch.bool, device=device)
-        in_win = (i - j).abs() <= window
-    exact = (in_win | (j < global_tokens)) & seen  # [R, M]
-    allowed = seen[None, None]  # [1, 1, R, M]
+    exact, feat = _pair_sets(rows.to(q_rows.device), k.shape[-2], window, global_tokens, causal)  # [R, M]
+    ex, fe = exact[None, None], feat[None, None]  # [1, 1, R, M]
     if key_padding_mask is not None:
-        allowed = allowed & ~key_padding_mask[:, None, None, :]
-    ex = exact[None, None] & allowed
-    fe = ~exact[None, None] & allowed
+        valid = ~key_padding_mask[:, None, None, :]
+        ex, fe = ex & valid, fe & valid
     s = (q_rows @ k.transpose(-1, -2)).masked_fill(~ex, NEG)  # [B, H, R, M]
     if log_space:
         a = phi_q_rows.detach().amax(-1, keepdim=True)  # [B, H, R, 1]
