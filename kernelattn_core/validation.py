@@ -153,6 +153,29 @@ def check_budget(name: str, value: object, per_unit: int = 1, what: str = "") ->
 # non_finite_rows (both re-exported by kernelattn_core.engine.naive, where they were).
 
 
+def check_device(name: str, value: object) -> torch.device:
+    """A usable torch device from ``value`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a
+    :class:`torch.device`): refused, naming ``name``, when torch cannot parse it, when
+    this build or machine has no such device, or when a tensor cannot be made on it."""
+    if not isinstance(value, (str, torch.device)):
+        raise InputError(f"{name}: expected a torch device such as 'cpu' or 'cuda:0', got {type(value).__name__}")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise InputError(f"{name}: expected a torch device such as 'cpu' or 'cuda:0', got {value!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"{name}: {str(value)!r} was asked for, but this torch has no CUDA device (use 'cpu')")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise InputError(f"{name}: {str(value)!r} was asked for, but there are {count} CUDA devices")
+    try:
+        torch.empty(1, device=device)
+    except Exception as exc:  # another device type this build or machine does not have
+        first = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        raise InputError(f"{name}: {str(value)!r} is not usable here: {first}") from None
+    return device
+
+
 def non_finite_rows(x: torch.Tensor) -> torch.Tensor | None:
     """The rows ``[...]`` of ``x [..., n]`` holding NaN or inf, or ``None`` when every row
     is finite. One reduction decides (a sum is finite unless some entry is not, or the

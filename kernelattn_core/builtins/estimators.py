@@ -17,7 +17,14 @@ from ..engine.backends import (
     select_backend,
 )
 from ..engine.chunked import CausalState, compute_dtype
-from ..engine.naive import allowed_pairs, isolated_pre, isolated_rows, poison_rows, quarantine_non_finite
+from ..engine.naive import (
+    allowed_pairs,
+    isolated_pre,
+    isolated_rows,
+    poison_rows,
+    quarantine_non_finite,
+    quarantine_traced,
+)
 from ..engine.torch_backend import decode_one_finite
 from ..errors import InputError
 from ..interfaces.estimator import AttentionEstimator
@@ -139,6 +146,12 @@ class ExactAttention(AttentionEstimator):
         # reach earlier causal rows (NaN + -inf, 0 * NaN), a non-finite query row the keys'
         # gradients of every row, and a non-finite key its own gradient (NaN, not 0); such
         # calls take the reference path, which quarantines them
+        if self.backend == "sdpa" and torch.compiler.is_compiling():
+            # traced (one graph, no value read back): the quarantine as tensor operations,
+            # always; for finite inputs its masks change nothing (padded keys are 0 by now)
+            q, k, v32, poison = quarantine_traced(q, k, v32, causal)
+            self.last_backend = "sdpa"
+            return poison_rows(self._sdpa(q, k, v32, causal, key_padding_mask), poison).to(v.dtype)
         if self.backend == "sdpa" and _all_finite(q, k, v32):
             self.last_backend = "sdpa"
             return self._sdpa(q, k, v32, causal, key_padding_mask).to(v.dtype)

@@ -221,21 +221,9 @@ def _check_count(flag: str, value: int | None, minimum: int, *, none_ok: bool = 
 
 
 def _check_device(name: str) -> Any:
-    import torch
+    from ..validation import check_device
 
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError) as exc:
-        raise InputError(f"--device: expected a torch device such as 'cpu' or 'cuda:0', got {name!r}") from exc
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"--device: {name!r} was asked for, but this torch has no CUDA device (use --device cpu)")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise InputError(f"--device: {name!r} was asked for, but there are {torch.cuda.device_count()} CUDA devices")
-    try:
-        torch.empty(1, device=device)
-    except Exception as exc:  # another device type this build or machine does not have
-        raise InputError(f"--device: {name!r} is not usable here: {_one_line(exc)}") from None
-    return device
+    return check_device("--device", name)
 
 
 def _model_config(model: str) -> tuple[Path, dict[str, Any]]:

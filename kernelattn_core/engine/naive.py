@@ -57,6 +57,31 @@ def quarantine_non_finite(
     return q, k, v, bad_q | seen.any(-1)
 
 
+def quarantine_traced(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quarantine_non_finite` for a traced call (``torch.compile``): no value read
+    back, so the masks are always formed, and the rows that see a non-finite key without
+    the ``[B, H, N, M]`` pair mask: every row when not ``causal``, from its position on
+    when ``causal`` (query ``i`` sees keys ``j <= i``, as :func:`allowed_pairs`). Padded
+    keys must already be finite (replaced by 0): padding does not enter here.
+
+    Returns ``q, k, v`` with the non-finite rows replaced by 0 and the ``[B, H, N]`` rows
+    that must be NaN."""
+    n, m = q.shape[-2], k.shape[-2]
+    bad_q = ~torch.isfinite(q).all(-1)  # [B, H, N]
+    bad_k = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [B, H, M]
+    q = q.masked_fill(bad_q.unsqueeze(-1), 0.0)
+    k = k.masked_fill(bad_k.unsqueeze(-1), 0.0)
+    v = v.masked_fill(bad_k.unsqueeze(-1), 0.0)
+    if causal:
+        upto = bad_k.to(torch.int32).cumsum(-1) > 0  # [B, H, M]: a bad key at or before j
+        seen = upto[..., torch.arange(n, device=q.device).clamp_max(m - 1)]  # [B, H, N]
+    else:
+        seen = bad_k.any(-1, keepdim=True)  # [B, H, 1]
+    return q, k, v, bad_q | seen
+
+
 def isolated_pre(
     pre: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     q: torch.Tensor,

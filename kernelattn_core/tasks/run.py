@@ -13,7 +13,9 @@ the order they finish, with:
 * ``steps_to_90``: the median over seeds of the first evaluation step at which the accuracy
   reached 90 % of the ceiling's (``None`` if it never did);
 * ``time_per_step_ms`` (median step, mean over seeds), ``time_vs_exact``, ``peak_mem_mb``
-  (peak tensor memory of one training step) and ``train_s`` (wall time of one run);
+  (peak tensor memory of one training step), ``train_s`` (wall time of one run) and
+  ``first_step_s`` (the first step: the compilation with ``compile=True``);
+* ``device`` and ``compiled``: where and how the runs trained;
 * ``error``: why the row has no result (an estimator that cannot attend the way the task
   needs, or the exception a run raised).
 
@@ -36,10 +38,11 @@ from typing import Any
 
 from ..errors import InputError
 from ..registry import get_registry
+from ..validation import check_device
 from . import get_task
 from .base import Task
 from .model import NO_MIXING
-from .train import TrainConfig, steps_to_fraction, train
+from .train import TrainConfig, compile_backend, steps_to_fraction, train
 
 #: an estimator "learned" a task when its accuracy beats the floor's by more than this
 LEARNED_MARGIN = 0.05
@@ -92,10 +95,13 @@ CSV_COLUMNS = (
     "first_loss",
     "last_loss",
     "train_s",
+    "first_step_s",
     "params",
     "seeds",
     "steps",
     "scale",
+    "device",
+    "compiled",
     "options",
     "error",
 )
@@ -285,6 +291,8 @@ def run_tasks(
     on_record: Callable[[dict[str, Any]], None] | None = None,
     recipe: dict[str, Any] | None = None,
     jobs: int = 1,
+    device: str | Any | None = None,
+    compile: bool | str = False,
 ) -> list[dict[str, Any]]:
     """Train the task model with each estimator on each task; one record per (task, estimator, budget).
 
@@ -322,6 +330,14 @@ def run_tasks(
         two-thread run; every run is slower (its time per step is measured with one thread,
         beside the other job), so compare ``time_per_step_ms`` only within one run of the
         command.
+    device : str or torch.device, optional
+        Where every run trains (``"cpu"`` by default; ``"cuda"`` trains on the GPU, where the
+        estimators with Triton kernels use them). Checked before any training.
+    compile : bool or str
+        Train every run through ``torch.compile`` (``True``: Inductor, or a backend name;
+        :func:`~kernelattn_core.tasks.train.train`):
+        worth it for long runs (``scale="paper"``), not at the quick scale, where the
+        compilation of each run costs about as much as it saves.
 
     Returns
     -------
@@ -343,6 +359,9 @@ def run_tasks(
         raise InputError(f"steps: expected a positive int, got {steps!r}")
     if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
         raise InputError(f"jobs: expected a positive int, got {jobs!r}")
+    where = str(check_device("device", "cpu" if device is None else device))
+    run_options = {"device": where, "compile": compile}
+    compile_backend(compile)  # refused here, before any training
     names = list(estimators) if estimators else default_estimators(quadratic=quadratic)
     reg = get_registry()
     for name in names:
@@ -362,9 +381,9 @@ def run_tasks(
     with Progress(total, "tasks", enabled=progress) as bar:
         if jobs == 1:
             for task, name, budget, config in plan:
-                publish(_run_row(task, name, budget, config, seeds, scale, bar))
+                publish(_run_row(task, name, budget, config, seeds, scale, bar, run_options))
         else:
-            _run_parallel(plan, seeds, scale, bar, jobs, publish)
+            _run_parallel(plan, seeds, scale, bar, jobs, publish, run_options)
     order = {(t.name, n, b): i for i, (t, n, b, _) in enumerate(plan)}
     return sorted(publish.records, key=lambda r: order[(r["task"], r["estimator"], r["budget"])])
 
@@ -400,7 +419,13 @@ class _Publisher:
 
 
 def _new_record(
-    task: Task, name: str, budget: int | None, config: TrainConfig, seeds: Sequence[int], scale: str
+    task: Task,
+    name: str,
+    budget: int | None,
+    config: TrainConfig,
+    seeds: Sequence[int],
+    scale: str,
+    run_options: dict[str, Any],
 ) -> dict[str, Any]:
     """The row of (``task``, ``name``, ``budget``) before training: its options, or the reason it cannot run."""
     spec_options = parse_spec(name)[1]
@@ -412,6 +437,8 @@ def _new_record(
         "scale": scale,
         "steps": config.steps,
         "seeds": list(seeds),
+        "device": run_options["device"],
+        "compiled": compile_backend(run_options["compile"]) or False,
         "chance": task.chance(task.config(scale)),
         "accuracy": None,
         "accuracy_std": None,
@@ -442,16 +469,23 @@ def _finish_record(record: dict[str, Any], results: list[dict[str, Any]]) -> dic
     record["accuracies"] = [r["accuracy"] for r in results]
     record["accuracy"], record["accuracy_std"] = _summary_stats(record["accuracies"])
     record["curves"] = [r["curve"] for r in results]
-    for key in ("time_per_step_ms", "peak_mem_mb", "train_s", "first_loss", "last_loss"):
+    for key in ("time_per_step_ms", "first_step_s", "peak_mem_mb", "train_s", "first_loss", "last_loss"):
         record[key] = statistics.fmean(r[key] for r in results)
     record["params"] = results[0]["params"]
     return record
 
 
 def _run_row(
-    task: Task, name: str, budget: int | None, config: TrainConfig, seeds: Sequence[int], scale: str, bar: Any
+    task: Task,
+    name: str,
+    budget: int | None,
+    config: TrainConfig,
+    seeds: Sequence[int],
+    scale: str,
+    bar: Any,
+    run_options: dict[str, Any],
 ) -> dict[str, Any]:
-    record = _new_record(task, name, budget, config, seeds, scale)
+    record = _new_record(task, name, budget, config, seeds, scale, run_options)
     if record["error"] is not None:
         return record
     results = []
@@ -467,6 +501,7 @@ def _run_row(
                     seed=seed,
                     options=record["options"],
                     on_step=lambda _step, note=note: bar.advance(note),
+                    **run_options,
                 )
             )
         except Exception as exc:  # a run that fails is a row with its reason, not a crash of the table
@@ -482,11 +517,17 @@ def _worker_init(threads: int) -> None:
 
 
 def _train_in_worker(
-    task_name: str, estimator: str, config: TrainConfig, scale: str, seed: int, options: dict[str, Any]
+    task_name: str,
+    estimator: str,
+    config: TrainConfig,
+    scale: str,
+    seed: int,
+    options: dict[str, Any],
+    run_options: dict[str, Any],
 ) -> dict[str, Any]:
     """One run in a worker process; an exception comes back as ``{"error": ...}``."""
     try:
-        return train(get_task(task_name), estimator, config, scale=scale, seed=seed, options=options)
+        return train(get_task(task_name), estimator, config, scale=scale, seed=seed, options=options, **run_options)
     except Exception as exc:  # reported in the row, as in a sequential run
         return {"error": _error_text(exc)}
 
@@ -498,6 +539,7 @@ def _run_parallel(
     bar: Any,
     jobs: int,
     publish: Callable[[dict[str, Any]], None],
+    run_options: dict[str, Any],
 ) -> None:
     """Every (row, seed) of ``plan`` as one job of a pool of ``jobs`` processes (spawned: a
     forked copy of a process whose OpenMP threads have started can hang), submitted longest
@@ -515,7 +557,7 @@ def _run_parallel(
     with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads,)) as pool:
         futures = {}
         for task, name, budget, config in plan:
-            record = _new_record(task, name, budget, config, seeds, scale)
+            record = _new_record(task, name, budget, config, seeds, scale, run_options)
             rows.append(record)
             results.append({})
             if record["error"] is not None:
@@ -526,7 +568,8 @@ def _run_parallel(
             if rows[i]["error"] is not None:
                 continue
             for seed in seeds:
-                args = (plan[i][0].name, _registry_name(plan[i][1]), plan[i][3], scale, seed, rows[i]["options"])
+                task, name, _, config = plan[i]
+                args = (task.name, _registry_name(name), config, scale, seed, rows[i]["options"], run_options)
                 futures[pool.submit(_train_in_worker, *args)] = (i, seed)
         for future in as_completed(futures):
             i, seed = futures[future]

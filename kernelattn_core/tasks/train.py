@@ -13,12 +13,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ..errors import InputError
 from .base import EVAL_SEED_OFFSET, IGNORE, Task, TaskBatch
 from .model import TaskModel
 
@@ -68,16 +69,26 @@ def lr_factor(step: int, total: int, warmup_fraction: float = 0.1) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def loss_and_hits(model: TaskModel, batch: TaskBatch) -> tuple[torch.Tensor, int, int]:
-    """Cross-entropy over the scored positions (or labels), and the (correct, scored) counts."""
+def loss_and_hits(
+    model: TaskModel, batch: TaskBatch, forward: Callable[..., torch.Tensor] | None = None
+) -> tuple[torch.Tensor, int, int]:
+    """Cross-entropy over the scored positions (or labels), and the (correct, scored) counts.
+
+    ``forward`` (default: ``model`` itself) computes the logits: the compiled model when
+    training with ``compile``. The eager model runs its head at the scored positions only;
+    a compiled one at every position, the scored ones picked outside it (a selection of
+    data-dependent size would split its graph)."""
     if model.kind == "lm":
         assert batch.targets is not None
         scored = batch.targets != IGNORE  # [B, N]
-        flat = model(batch.inputs, batch.padding, scored)  # [S, V]
+        if forward is None or forward is model:
+            flat = model(batch.inputs, batch.padding, scored)  # [S, V]
+        else:
+            flat = forward(batch.inputs, batch.padding)[scored]  # [B, N, V] -> [S, V]
         target = batch.targets[scored]  # [S]
     else:
         assert batch.labels is not None
-        flat, target = model(batch.inputs, batch.padding), batch.labels
+        flat, target = (model if forward is None else forward)(batch.inputs, batch.padding), batch.labels
     loss = F.cross_entropy(flat, target)
     hits = int((flat.detach().argmax(-1) == target).sum())
     return loss, hits, int(target.numel())
@@ -96,15 +107,26 @@ def accuracy(model: TaskModel, batches: list[TaskBatch]) -> float:
     return hits / max(total, 1)
 
 
-def eval_batches(task: Task, scale: str, seed: int, size: int, batch_size: int) -> list[TaskBatch]:
-    """The held-out set: ``size`` examples from the evaluation stream of ``seed``."""
+def eval_batches(
+    task: Task, scale: str, seed: int, size: int, batch_size: int, device: torch.device | None = None
+) -> list[TaskBatch]:
+    """The held-out set: ``size`` examples from the evaluation stream of ``seed`` (drawn on
+    the CPU, then moved to ``device``)."""
     g = torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET)
     out, left = [], size
     while left > 0:
         n = min(batch_size, left)
-        out.append(task.batch(n, scale=scale, generator=g))
+        out.append(to_device(task.batch(n, scale=scale, generator=g), device))
         left -= n
     return out
+
+
+def to_device(batch: TaskBatch, device: torch.device | None) -> TaskBatch:
+    """``batch`` with its tensors on ``device`` (``None``: as it is)."""
+    if device is None or batch.inputs.device == device:
+        return batch
+    parts = {f.name: getattr(batch, f.name) for f in fields(batch)}
+    return TaskBatch(**{k: None if t is None else t.to(device) for k, t in parts.items()})
 
 
 def build_model(
@@ -135,6 +157,8 @@ def train(
     seed: int = 0,
     options: dict[str, Any] | None = None,
     on_step: Callable[[int], None] | None = None,
+    device: str | torch.device | None = None,
+    compile: bool | str = False,
 ) -> dict[str, Any]:
     """Train a fresh model with ``estimator`` on ``task`` and measure what it learned.
 
@@ -151,6 +175,20 @@ def train(
         Estimator options (``num_features``, ...).
     on_step : callable, optional
         Called with the step index after each step (progress).
+    device : str or torch.device, optional
+        Where the model trains (``"cpu"``, the default, ``"cuda"``, ``"cuda:1"``). The
+        parameters are drawn on the CPU and the batches generated there, then moved: a seed
+        gives the same initial model and data on every device (the trained models differ by
+        the devices' rounding).
+    compile : bool or str
+        Train through ``torch.compile(model, backend=...)``: ``True`` for Inductor, or the
+        name of another ``torch.compile`` backend (``"aot_eager"``: tracing without code
+        generation). Graph breaks are allowed. The first step pays the compilation
+        (``first_step_s``; with Inductor 20-50 s cold on a 2-core CPU, a few seconds when
+        its on-disk cache holds the kernels); the evaluations and the peak-memory step run
+        the eager model. Same recipe and data; the results differ from an eager run by
+        rounding, and where the estimator draws random numbers inside the step, by the
+        draws (Inductor has its own generator).
 
     Returns
     -------
@@ -158,20 +196,27 @@ def train(
         ``accuracy`` (held-out, final), ``curve`` (``[(step, accuracy), ...]`` on the first
         ``curve_size`` held-out examples), ``losses`` (training loss every ``eval_every``
         steps), ``first_loss`` / ``last_loss`` (means over the first and last 10 % of the
-        steps), ``time_per_step_ms`` (median), ``peak_mem_mb`` (peak tensor memory of one
-        training step), ``train_s`` and ``params``.
+        steps), ``time_per_step_ms`` (median), ``first_step_s`` (the first step, compilation
+        included), ``peak_mem_mb`` (peak tensor memory of one eager training step),
+        ``train_s``, ``params``, ``device`` and ``compiled``.
     """
+    from ..validation import check_device
+
     options = dict(options or {})
-    model = build_model(task, estimator, config, scale, seed, options)
+    where = check_device("device", "cpu" if device is None else device)
+    backend = compile_backend(compile)
+    model = build_model(task, estimator, config, scale, seed, options).to(where)
     model.train()
+    forward = model if backend is None else torch.compile(model, backend=backend)
+    sync = torch.cuda.synchronize if where.type == "cuda" else (lambda: None)
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, config.steps))
     data = torch.Generator().manual_seed(seed)
-    held_out = eval_batches(task, scale, seed, config.eval_size, max(config.batch_size, 64))
-    curve_set = eval_batches(task, scale, seed, config.curve_size, config.curve_size)
+    held_out = eval_batches(task, scale, seed, config.eval_size, max(config.batch_size, 64), where)
+    curve_set = eval_batches(task, scale, seed, config.curve_size, config.curve_size, where)
 
     def step(batch: TaskBatch) -> float:
-        loss, _, _ = loss_and_hits(model, batch)
+        loss, _, _ = loss_and_hits(model, batch, forward)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"training loss is {float(loss)} (non-finite)")
         opt.zero_grad(set_to_none=True)
@@ -186,17 +231,19 @@ def train(
     times: list[float] = []
     start = time.perf_counter()
     for i in range(config.steps):
-        batch = task.batch(config.batch_size, scale=scale, generator=data)
+        batch = to_device(task.batch(config.batch_size, scale=scale, generator=data), where)
+        sync()
         t0 = time.perf_counter()
-        losses.append(step(batch))
+        losses.append(step(batch))  # float(loss) waits for the device
         times.append(time.perf_counter() - t0)
         if on_step is not None:
             on_step(i)
         if (i + 1) % config.eval_every == 0 or i + 1 == config.steps:
             curve.append((i + 1, accuracy(model, curve_set)))
     train_s = time.perf_counter() - start
-    peak = _step_peak_memory(model, task.batch(config.batch_size, scale=scale, generator=data))
+    peak = _step_peak_memory(model, to_device(task.batch(config.batch_size, scale=scale, generator=data), where))
     tenth = max(1, config.steps // 10)
+    first = times[0]
     times.sort()
     return {
         "accuracy": accuracy(model, held_out),
@@ -208,11 +255,32 @@ def train(
         "first_loss": sum(losses[:tenth]) / tenth,
         "last_loss": sum(losses[-tenth:]) / tenth,
         "time_per_step_ms": 1e3 * times[len(times) // 2],
+        "first_step_s": first,
         "peak_mem_mb": peak / 2**20,
         "train_s": train_s,
         "params": sum(p.numel() for p in model.parameters()),
         "config": asdict(config),
+        "device": str(where),
+        "compiled": backend or False,
     }
+
+
+def compile_backend(compile: object) -> str | None:
+    """The ``torch.compile`` backend that ``compile`` asks for (``None``: eager): ``True``
+    is ``"inductor"``; a string names a backend, checked against
+    :func:`torch._dynamo.list_backends`."""
+    if compile is False:
+        return None
+    if compile is True:
+        return "inductor"
+    if isinstance(compile, str):
+        import torch._dynamo
+
+        known = sorted(torch._dynamo.list_backends(exclude_tags=()))
+        if compile not in known:
+            raise InputError(f"compile: expected True, False or a torch.compile backend {known}, got {compile!r}")
+        return compile
+    raise InputError(f"compile: expected True, False or a backend name, got {compile!r} ({type(compile).__name__})")
 
 
 def _step_peak_memory(model: TaskModel, batch: TaskBatch) -> int:
@@ -236,4 +304,4 @@ def steps_to_fraction(curve: list[tuple[int, float]], target: float) -> int | No
     return None
 
 
-__all__ = ["TrainConfig", "accuracy", "lr_factor", "steps_to_fraction", "train"]
+__all__ = ["TrainConfig", "accuracy", "compile_backend", "lr_factor", "steps_to_fraction", "to_device", "train"]
