@@ -260,3 +260,21 @@ def test_quadratic_estimators_run_at_their_own_setting_not_the_budget() -> None:
 
     assert not has_budget("ra") and not has_budget("ra-biased") and has_budget("lara") and has_budget("prf")
     assert budget_options("ra", 64, True) == {}
+
+
+def test_cli_table_prints_each_float_column_in_its_format(capsys) -> None:  # type: ignore[no-untyped-def]
+    """Accuracies with three decimals, the difference to the floor signed, times with one,
+    the ratio to exact with two (the generic 4 significant digits printed 0.009888 beside
+    8.545e-04); CSV and JSON keep every digit."""
+    import re
+
+    assert main(["tasks", "--estimator", "elu", "--steps", "2", "--no-progress"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[0].split()
+    row = next(line for line in lines if line.startswith("mqar") and " elu " in line).split()
+    cell = dict(zip(header, row, strict=True))
+    assert re.fullmatch(r"[01]\.\d{3}", cell["accuracy"]), cell
+    assert re.fullmatch(r"[+-]\d\.\d{3}", cell["vs_floor"]), cell
+    assert re.fullmatch(r"\d+\.\d", cell["time_per_step_ms"]), cell
+    assert re.fullmatch(r"\d+\.\d{2}", cell["time_vs_exact"]), cell
+    assert re.fullmatch(r"\d+\.\d", cell["peak_mem_mb"]), cell

@@ -97,7 +97,16 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--seeds: expected integers >= 0, got {args.seeds}")
     from ..report.output import RowStream, emit, resolve_format, table
     from ..tasks.figures import check_output_paths, tasks_figure
-    from ..tasks.run import COLUMNS, CSV_COLUMNS, PRESETS, WIDTHS, run_tasks, seeds_columns, seeds_table
+    from ..tasks.run import (
+        CELL_FORMATS,
+        COLUMNS,
+        CSV_COLUMNS,
+        PRESETS,
+        WIDTHS,
+        run_tasks,
+        seeds_columns,
+        seeds_table,
+    )
     from ..validation import check_device
 
     check_device("--device", args.device)
@@ -120,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     # widths are fixed before the first one)
     longest = max((len(e) for e in estimators or []), default=0)
     widths = {**WIDTHS, "estimator": max(WIDTHS["estimator"], longest)}
-    stream = None if to_stdout else RowStream(COLUMNS, widths)
+    stream = None if to_stdout else RowStream(COLUMNS, widths, formats=CELL_FORMATS)
     records = run_tasks(
         tasks,
         estimators,

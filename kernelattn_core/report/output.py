@@ -10,12 +10,15 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Any, spec: str | None = None) -> str:
+    """``value`` as a table cell; ``spec`` (a format spec such as ``".3f"``) for a finite float."""
     if value is None:
         return "-"
     if isinstance(value, float):
         if math.isnan(value):
             return "nan"
+        if spec is not None and math.isfinite(value):
+            return format(value, spec)
         if value == 0 or 1e-3 <= abs(value) < 1e5:
             return f"{value:.4g}"
         return f"{value:.3e}"
@@ -33,9 +36,11 @@ def _short(text: str, limit: int = 48) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def table(records: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
-    """A plain-text table with a header row."""
-    rows = [[_cell(r.get(c)) for c in columns] for r in records]
+def table(records: Sequence[dict[str, Any]], columns: Sequence[str], formats: dict[str, str] | None = None) -> str:
+    """A plain-text table with a header row; ``formats`` maps a column to the format spec of
+    its floats (``{"accuracy": ".3f"}``; other columns: 4 significant digits)."""
+    formats = formats or {}
+    rows = [[_cell(r.get(c), formats.get(c)) for c in columns] for r in records]
     widths = [max([len(c)] + [len(row[i]) for row in rows]) for i, c in enumerate(columns)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
@@ -140,10 +145,18 @@ class RowStream:
     """A table printed row by row as results arrive (fixed column widths).
 
     ``widths`` maps a column to its width; values that do not fit are shown whole.
+    ``formats`` maps a column to the format spec of its floats (as for :func:`table`).
     """
 
-    def __init__(self, columns: Sequence[str], widths: dict[str, int] | None = None, stream: Any = None) -> None:
+    def __init__(
+        self,
+        columns: Sequence[str],
+        widths: dict[str, int] | None = None,
+        stream: Any = None,
+        formats: dict[str, str] | None = None,
+    ) -> None:
         self.columns = list(columns)
+        self.formats = dict(formats or {})
         self.widths = {c: max(len(c), (widths or {}).get(c, 10)) for c in self.columns}
         self._stream = stream  # None: sys.stdout at each row (a live progress bar may redirect it)
         self.started = False
@@ -165,4 +178,5 @@ class RowStream:
 
     def row(self, record: dict[str, Any]) -> None:
         self.header()
-        print(self._line([_cell(record.get(c)) for c in self.columns]), file=self.stream, flush=True)
+        cells = [_cell(record.get(c), self.formats.get(c)) for c in self.columns]
+        print(self._line(cells), file=self.stream, flush=True)

@@ -106,6 +106,15 @@ CSV_COLUMNS = (
     "error",
 )
 WIDTHS = {"task": 14, "estimator": 20, "accuracy": 8, "error": 10}
+#: how the table prints each float column (CSV and JSON keep every digit)
+CELL_FORMATS = {
+    "accuracy": ".3f",
+    "accuracy_std": ".3f",
+    "vs_floor": "+.3f",
+    "time_per_step_ms": ".1f",
+    "time_vs_exact": ".2f",
+    "peak_mem_mb": ".1f",
+}
 
 
 @dataclass(frozen=True)
@@ -634,6 +643,7 @@ def seeds_columns(records: Sequence[dict[str, Any]]) -> list[str]:
 
 
 __all__ = [
+    "CELL_FORMATS",
     "COLUMNS",
     "CSV_COLUMNS",
     "PRESETS",
