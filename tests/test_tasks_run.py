@@ -278,3 +278,17 @@ def test_cli_table_prints_each_float_column_in_its_format(capsys) -> None:  # ty
     assert re.fullmatch(r"\d+\.\d", cell["time_per_step_ms"]), cell
     assert re.fullmatch(r"\d+\.\d{2}", cell["time_vs_exact"]), cell
     assert re.fullmatch(r"\d+\.\d", cell["peak_mem_mb"]), cell
+
+
+def test_seeds_summary_prints_accuracy_percent_with_one_decimal_and_ratios_with_two() -> None:
+    from kernelattn_core.report.output import table
+    from kernelattn_core.tasks.run import seeds_columns, seeds_formats
+
+    records = [
+        {"task": "mqar", "estimator": "exact", "budget": None, "accuracy": 0.98765, "time_vs_exact": 1.0},
+        {"task": "mqar", "estimator": "prf", "budget": 64, "accuracy": 0.0001831, "time_vs_exact": 1.29712},
+    ]
+    columns = seeds_columns(records)
+    lines = table(seeds_table(records), columns, seeds_formats(columns)).splitlines()
+    assert lines[2].split() == ["exact", "-", "98.8", "98.8", "1.00", "1.00"]
+    assert lines[3].split() == ["prf", "64", "0.0", "0.0", "1.30", "1.30"]

@@ -105,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         WIDTHS,
         run_tasks,
         seeds_columns,
+        seeds_formats,
         seeds_table,
     )
     from ..validation import check_device
@@ -149,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
         emit(records, COLUMNS if fmt == "table" else CSV_COLUMNS, fmt, args.output)
     if args.preset == "seeds" or len({r["task"] for r in records}) > 1:
         print("\naccuracy (%) per task and time per step relative to exact attention:", file=out)
-        print(table(seeds_table(records), seeds_columns(records)), file=out)
+        columns = seeds_columns(records)
+        print(table(seeds_table(records), columns, seeds_formats(columns)), file=out)
     not_learned = [r["estimator"] for r in records if r.get("learned") is False]
     if not_learned:
         print(f"\ndid not beat the floor (learned=no): {', '.join(dict.fromkeys(not_learned))}", file=out)

@@ -642,6 +642,11 @@ def seeds_columns(records: Sequence[dict[str, Any]]) -> list[str]:
     return ["estimator", "budget", *(f"{t} acc" for t in tasks), "avg acc", *(f"{t} time" for t in tasks), "avg time"]
 
 
+def seeds_formats(columns: Sequence[str]) -> dict[str, str]:
+    """How :func:`seeds_table` prints: accuracies (%) with one decimal, time ratios with two."""
+    return {c: ".1f" if c.endswith(" acc") else ".2f" for c in columns if c.endswith((" acc", " time"))}
+
+
 __all__ = [
     "CELL_FORMATS",
     "COLUMNS",
@@ -654,5 +659,7 @@ __all__ = [
     "features_per_unit",
     "parse_spec",
     "run_tasks",
+    "seeds_columns",
+    "seeds_formats",
     "seeds_table",
 ]
