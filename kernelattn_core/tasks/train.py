@@ -208,7 +208,7 @@ def train(
     model = build_model(task, estimator, config, scale, seed, options).to(where)
     model.train()
     forward = model if backend is None else torch.compile(model, backend=backend)
-    sync = torch.cuda.synchronize if where.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(where)) if where.type == "cuda" else (lambda: None)
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, config.steps))
     data = torch.Generator().manual_seed(seed)
