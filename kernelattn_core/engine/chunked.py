@@ -96,6 +96,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError
+from ..validation import finite_rows
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -659,7 +660,7 @@ def _bad_rows(x: torch.Tensor, log_space: bool) -> torch.Tensor:
     """``[B, H, N]``: rows holding NaN or inf (``-inf`` is a valid log-feature: feature 0)."""
     if log_space:
         return (torch.isnan(x) | torch.isposinf(x)).any(-1)
-    return ~torch.isfinite(x).all(-1)
+    return ~finite_rows(x)
 
 
 @dataclass

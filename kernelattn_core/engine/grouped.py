@@ -79,6 +79,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError
+from ..validation import finite_rows
 from .chunked import (
     DEFAULT_CHUNK,
     CausalInputs,
@@ -573,7 +574,7 @@ def _bad_output_rows(num: torch.Tensor, den: torch.Tensor, g0: int, g1: int) -> 
     n = num[:, :, g0:g1]
     if bool(torch.isfinite(d.sum() + n.sum())):
         return None
-    bad = ~(torch.isfinite(d) & torch.isfinite(n).all(-1))
+    bad = ~(torch.isfinite(d) & finite_rows(n))
     return bad if bool(bad.any()) else None
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..validation import isolated_rows, non_finite_rows  # noqa: F401 - re-exported (moved below the engine)
+from ..validation import finite_rows, isolated_rows, non_finite_rows  # noqa: F401 - re-exported (moved below the engine)
 
 
 def allowed_pairs(
@@ -48,8 +48,8 @@ def quarantine_non_finite(
     """
     if all(bool(torch.isfinite(t).all()) for t in (q, k, v)):
         return q, k, v, None
-    bad_q = ~torch.isfinite(q).all(-1)  # [B, H, N]
-    bad_k = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [B, H, M]
+    bad_q = ~finite_rows(q)  # [B, H, N]
+    bad_k = ~(finite_rows(k) & finite_rows(v))  # [B, H, M]
     q = q.masked_fill(bad_q.unsqueeze(-1), 0.0)
     k = k.masked_fill(bad_k.unsqueeze(-1), 0.0)
     v = v.masked_fill(bad_k.unsqueeze(-1), 0.0)
@@ -69,8 +69,8 @@ def quarantine_traced(
     Returns ``q, k, v`` with the non-finite rows replaced by 0 and the ``[B, H, N]`` rows
     that must be NaN."""
     n, m = q.shape[-2], k.shape[-2]
-    bad_q = ~torch.isfinite(q).all(-1)  # [B, H, N]
-    bad_k = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [B, H, M]
+    bad_q = ~finite_rows(q)  # [B, H, N]
+    bad_k = ~(finite_rows(k) & finite_rows(v))  # [B, H, M]
     q = q.masked_fill(bad_q.unsqueeze(-1), 0.0)
     k = k.masked_fill(bad_k.unsqueeze(-1), 0.0)
     v = v.masked_fill(bad_k.unsqueeze(-1), 0.0)

@@ -72,6 +72,7 @@ import dataclasses
 
 import torch
 
+from ..validation import finite_rows
 from .chunked import (  # noqa: F401 - CausalInputs, query_side, _bad_rows: re-exported (moved to chunked.py)
     DEFAULT_CHUNK,
     CausalInputs,
@@ -261,7 +262,7 @@ def _decode_one(
     pad = torch.zeros(b, h, dtype=torch.bool, device=lq.device)
     if key_padding_mask is not None:
         pad = pad | key_padding_mask[:, :1]  # [B, 1] broadcast over heads
-    bad_k = (_bad_rows(lk, log_space) | ~torch.isfinite(vv).all(-1)) & ~pad  # [B, H]
+    bad_k = (_bad_rows(lk, log_space) | ~finite_rows(vv)) & ~pad  # [B, H]
     bad_q = _bad_rows(lq, log_space)  # [B, H]
     gone = (pad | bad_k).unsqueeze(-1)  # [B, H, 1]
     vv = vv.masked_fill(gone, 0.0)

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from ..validation import finite_rows
 from .chunked import _bad_rows, _traced, compute_dtype, prefix_stabiliser
 
 #: positions per chunk of the traced causal form
@@ -79,7 +80,7 @@ def traced_feature_attention(
     pad = torch.zeros(b, 1, m, dtype=torch.bool, device=q.device)
     if key_padding_mask is not None:
         pad = key_padding_mask[:, None, :]
-    bad_k = (_bad_rows(lk, log_space) | ~torch.isfinite(v).all(-1)) & ~pad  # [B, H, M]
+    bad_k = (_bad_rows(lk, log_space) | ~finite_rows(v)) & ~pad  # [B, H, M]
     drop = (pad | bad_k).unsqueeze(-1)  # [B, H, M, 1]
     bad_q = _bad_rows(lq, log_space)  # [B, H, N]
     empty = float("-inf") if log_space else 0.0

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernelattn_core.toolkit import InputError, causal_linear_attention, check_positive_int
+from kernelattn_core.toolkit import InputError, causal_linear_attention, check_positive_int, finite_rows
 
 
 def _guard(den: torch.Tensor, eps: float) -> torch.Tensor:
@@ -179,14 +179,14 @@ def gated_sums_state(
     # below finds nothing); the elementwise scans cost as much as the recurrence's products
     total = phi_q.detach().sum() + phi_k.detach().sum() + v.detach().sum() + log_g.detach().sum()
     if not bool(torch.isfinite(total)):
-        bad = ~(torch.isfinite(phi_k).all(-1) & torch.isfinite(v).all(-1) & torch.isfinite(log_g))  # [B, H, N]
+        bad = ~(finite_rows(phi_k) & finite_rows(v) & torch.isfinite(log_g))  # [B, H, N]
         if skip is not None:
             bad = bad & ~skip
         if bool(bad.any()):
             poison = bad.cumsum(-1) > 0  # [B, H, N]: rows at or after a non-finite position
             skip = bad if skip is None else skip | bad
             carried = bad.any(-1) if carried is None else carried | bad.any(-1)
-        bad_q = ~torch.isfinite(phi_q).all(-1)  # [B, H, N]: a non-finite query spoils its own row only
+        bad_q = ~finite_rows(phi_q)  # [B, H, N]: a non-finite query spoils its own row only
         if bool(bad_q.any()):
             phi_q = phi_q.masked_fill(bad_q.unsqueeze(-1), 0.0)  # kept out of the products (and gradients)
             poison = bad_q if poison is None else poison | bad_q

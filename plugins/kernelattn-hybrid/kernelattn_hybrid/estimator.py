@@ -19,6 +19,7 @@ from kernelattn_core.toolkit import (
     check_state,
     check_state_tensor,
     compute_dtype,
+    finite_rows,
 )
 
 from . import window as window_module
@@ -181,7 +182,7 @@ class SlidingWindowAttention(AttentionEstimator):
         # a matmul would spread them (0 * NaN) into queries that must not see them (padding,
         # future positions inside a block). A non-finite key or value that a query *may*
         # see makes that query's output NaN, as in exact attention.
-        dead = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [B, H, M]
+        dead = ~(finite_rows(k) & finite_rows(v))  # [B, H, M]
         if key_padding_mask is not None:
             dead = dead & ~key_padding_mask[:, None, :]
             zero = (dead | key_padding_mask[:, None, :]).unsqueeze(-1)
@@ -191,7 +192,7 @@ class SlidingWindowAttention(AttentionEstimator):
         v = v.masked_fill(zero, 0.0)
         # a non-finite query spoils its own row only: kept out of the products too, or its
         # NaN row would send 0 * NaN into the keys' and values' gradients of every row
-        bad_q = ~torch.isfinite(q).all(-1)  # [B, H, N]
+        bad_q = ~finite_rows(q)  # [B, H, N]
         q = q.masked_fill(bad_q.unsqueeze(-1), 0.0)
         out = self._attend_finite(q, k, v, causal, key_padding_mask, redraw)
         if causal:
@@ -350,13 +351,13 @@ class SlidingWindowAttention(AttentionEstimator):
         """One position: non-finite keys and queries handled as in :meth:`_attend`."""
         fm = self.feature_map
         out_dtype, dtype = v.dtype, compute_dtype(q.dtype)
-        dead = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [B, H, 1]
+        dead = ~(finite_rows(k) & finite_rows(v))  # [B, H, 1]
         keep = torch.ones_like(dead) if mask is None else ~mask[:, None, :].expand_as(dead)
         dead = dead & keep
         keep = keep & ~dead
         k = k.masked_fill(~keep.unsqueeze(-1), 0.0).to(dtype)
         v = v.masked_fill(~keep.unsqueeze(-1), 0.0).to(dtype)
-        bad_q = ~torch.isfinite(q).all(-1)  # [B, H, 1]
+        bad_q = ~finite_rows(q)  # [B, H, 1]
         q = q.masked_fill(bad_q.unsqueeze(-1), 0.0).to(dtype)
         out, state = window_step_one(
             state,
@@ -379,7 +380,7 @@ class SlidingWindowAttention(AttentionEstimator):
         b, h, t, d = k.shape
         w, g = self.window, self.global_tokens
         dtype = compute_dtype(q.dtype)
-        dead = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [B, H, T]
+        dead = ~(finite_rows(k) & finite_rows(v))  # [B, H, T]
         keep = torch.ones_like(dead) if mask is None else ~mask[:, None, :].expand_as(dead)
         dead = dead & keep
         keep = keep & ~dead
@@ -449,7 +450,7 @@ class SlidingWindowAttention(AttentionEstimator):
         # The rows' weights formed directly, O(R M (d + D)), instead of one-hot values
         # through the blocked path (O(N M (C + D)) for a fit step). Non-finite keys are
         # zeroed before any product, and a row that may see one is NaN, as in ``_attend``.
-        dead = ~torch.isfinite(k).all(-1)  # [B, H, M]
+        dead = ~finite_rows(k)  # [B, H, M]
         if key_padding_mask is not None:
             dead = dead & ~key_padding_mask[:, None, :]
         k = k.masked_fill(dead.unsqueeze(-1), 0.0)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernelattn_core.toolkit import finite_rows
+
 RULES = ("identity", "means", "variance", "full", "fixed")
 
 
@@ -69,7 +71,7 @@ def moments(x: torch.Tensor, *, full: bool = False, padding: torch.Tensor | None
     if padding is not None and x.dim() == 4:
         x = x[~padding[:, None, :].expand(x.shape[:3])]  # [n_valid, d]
     flat = x.detach().reshape(-1, x.shape[-1]).double()  # [n, d]
-    flat = flat[torch.isfinite(flat).all(-1)]
+    flat = flat[finite_rows(flat)]
     n = flat.shape[0]
     if n == 0:
         d = flat.shape[-1]

@@ -21,6 +21,7 @@ from kernelattn_core.toolkit import (
     FusedFeatureSpec,
     SymbolicExpectation,
     UnbiasedKernelEstimate,
+    finite_rows,
 )
 
 from . import adaptation
@@ -236,7 +237,7 @@ def _synced_moments(x: torch.Tensor, *, full: bool, padding: torch.Tensor | None
     if padding is not None and x.dim() == 4:
         x = x[~padding[:, None, :].expand(x.shape[:3])]  # [n_valid, d]
     flat = x.detach().reshape(-1, x.shape[-1]).double()  # [n, d]
-    flat = flat[torch.isfinite(flat).all(-1)]
+    flat = flat[finite_rows(flat)]
     d = flat.shape[-1]
     products = flat.T @ flat if full else (flat * flat).sum(0)  # [d, d] or [d]
     packed = torch.cat([flat.new_tensor([float(flat.shape[0])]), flat.sum(0), products.flatten()])

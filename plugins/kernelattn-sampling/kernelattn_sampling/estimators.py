@@ -33,6 +33,7 @@ from kernelattn_core.toolkit import (
     check_choice,
     check_positive_int,
     compute_dtype,
+    finite_rows,
     generator_for,
     poison_rows,
     quarantine_non_finite,
@@ -601,7 +602,7 @@ class LinearRandomizedAttention(AttentionEstimator):
         k, v32 = fn.drop_padded(k, v32, key_padding_mask)
         # a non-finite query leaves every statistic shared by the rows (landmarks, r'):
         # it can only make its own row non-finite
-        q_keep = torch.isfinite(q).all(-1)  # [B, H, N]
+        q_keep = finite_rows(q)  # [B, H, N]
         if key_padding_mask is not None and q.shape[-2] == k.shape[-2]:
             # self-attention: the query at a padded position is padding too, so whatever it
             # holds shapes no statistic shared by the rows (landmarks, proposals, r')

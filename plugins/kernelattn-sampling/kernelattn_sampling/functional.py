@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from kernelattn_core.toolkit import finite_rows
+
 NEG_INF = float("-inf")
 
 
@@ -62,7 +64,7 @@ def scores(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     would give every row a NaN gradient; the product is therefore taken with
     non-finite keys replaced by 0.
     """
-    finite = torch.isfinite(k).all(-1)  # [..., M]
+    finite = finite_rows(k)  # [..., M]
     if bool(finite.all()):
         return x @ k.transpose(-1, -2)
     out = x @ k.masked_fill(~finite[..., None], 0.0).transpose(-1, -2)

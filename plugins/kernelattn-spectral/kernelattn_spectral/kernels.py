@@ -14,7 +14,14 @@ from typing import ClassVar
 
 import torch
 
-from kernelattn_core.toolkit import InputError, Kernel, KernelFamily, QuadratureIdentity, ShiftInvariantKernel
+from kernelattn_core.toolkit import (
+    InputError,
+    Kernel,
+    KernelFamily,
+    QuadratureIdentity,
+    ShiftInvariantKernel,
+    finite_rows,
+)
 
 from . import theory as _theory
 
@@ -169,7 +176,7 @@ class SpectralMixtureKernel(ShiftInvariantKernel):
         _check_dim("factors", self.factors, d)
         # a non-finite q_i or k_j enters no product (in the pairwise expansion it would
         # reach every gradient through 0 * NaN); the pairs that see it are set to NaN below
-        bad_q, bad_k = ~torch.isfinite(q).all(-1), ~torch.isfinite(k).all(-1)  # [..., N], [..., M]
+        bad_q, bad_k = ~finite_rows(q), ~finite_rows(k)  # [..., N], [..., M]
         hit = None
         if bool(bad_q.any()) or bool(bad_k.any()):
             q = q.masked_fill(bad_q.unsqueeze(-1), 0.0)
