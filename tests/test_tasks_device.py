@@ -73,8 +73,12 @@ def test_cli_device_and_compile(capsys) -> None:  # type: ignore[no-untyped-def]
     dynamo.reset()
     import json
 
-    records = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    records = json.loads(captured.out)
     assert {(r["device"], r["compiled"]) for r in records} == {("cpu", "aot_eager")}
+    assert "trained on cpu, compiled (aot_eager): compare times only with runs trained the same way" in captured.err
+    assert main([*args[:-2]]) == 0  # an eager table says nothing of it
+    assert "trained on" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("causal", "padded"), [(True, False), (True, True), (False, True)])

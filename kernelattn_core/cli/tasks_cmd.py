@@ -158,6 +158,9 @@ def run(args: argparse.Namespace) -> int:
     failed = [r for r in records if r["error"]]
     if failed:
         print(f"{len(failed)} row(s) without a result; see the error column", file=out)
+    if records and (records[0]["device"] != "cpu" or records[0]["compiled"]):
+        how = f", compiled ({records[0]['compiled']})" if records[0]["compiled"] else ""
+        print(f"trained on {records[0]['device']}{how}: compare times only with runs trained the same way", file=out)
     if args.plot:
         print(f"plot written to {tasks_figure(records, args.plot)}", file=out)
     return 0
