@@ -184,7 +184,7 @@ def train(
         Train through ``torch.compile(model, backend=...)``: ``True`` for Inductor, or the
         name of another ``torch.compile`` backend (``"aot_eager"``: tracing without code
         generation). Graph breaks are allowed. The first step pays the compilation
-        (``first_step_s``; with Inductor 20-50 s cold on a 2-core CPU, a few seconds when
+        (``first_step_s``; with Inductor 10-40 s cold on a 2-core CPU, a few seconds when
         its on-disk cache holds the kernels); the evaluations and the peak-memory step run
         the eager model. Same recipe and data; the results differ from an eager run by
         rounding, and where the estimator draws random numbers inside the step, by the
