@@ -135,3 +135,23 @@ def test_evaluation_set_is_not_the_training_stream() -> None:
     assert torch.equal(held.inputs, again.inputs)
     model = TaskModel(256, 128, "lm", NO_MIXING, d_model=16)
     assert 0.0 <= accuracy(model, [held]) <= 0.05
+
+
+def test_scored_positions_as_indices_give_the_rows_of_the_boolean_selection() -> None:
+    """What a compiled model is given (``[S]`` indices into the flattened positions) selects
+    the same rows in the same order as the boolean ``[B, N]`` mask the eager model takes."""
+    from kernelattn_core.tasks import get_task
+    from kernelattn_core.tasks.run import RECIPES
+    from kernelattn_core.tasks.train import build_model
+
+    task = get_task("mqar")
+    model = build_model(task, "elu", RECIPES[("mqar", "quick")].updated(d_model=32), "quick", 0, {}).eval()
+    batch = task.batch(4, scale="quick", generator=torch.Generator().manual_seed(0))
+    scored = batch.targets != -100
+    with torch.no_grad():
+        by_mask = model(batch.inputs, batch.padding, scored)
+        by_index = model(batch.inputs, batch.padding, scored.flatten().nonzero().squeeze(1))
+        everywhere = model(batch.inputs, batch.padding)
+    assert by_mask.shape[0] == int(scored.sum()) > 0
+    assert torch.equal(by_index, by_mask)
+    torch.testing.assert_close(everywhere[scored], by_mask)

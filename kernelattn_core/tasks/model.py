@@ -134,14 +134,22 @@ class TaskModel(nn.Module):
         self, inputs: torch.Tensor, padding: torch.Tensor | None = None, scored: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Logits ``[B, N, V]`` (``"lm"``; ``[S, V]`` at the ``S`` positions where ``scored [B, N]``
-        is true, when given: the head runs only where a prediction is read) or ``[B, C]``."""
+        is true, when given: the head runs only where a prediction is read) or ``[B, C]``.
+
+        ``scored`` may also be the ``[S]`` int64 indices of those positions in the flattened
+        ``[B * N]`` (``scored.flatten().nonzero()``, the same rows in the same order): a
+        compiled model takes them, as a boolean selection has a data-dependent size."""
         n = inputs.shape[1]
         h = self.embed(inputs) + self.position.weight[:n]  # [B, N, d]
         for block in self.blocks:
             h = block(h, padding)
         h = self.norm(h)
         if self.kind == "lm":
-            return self.head(h if scored is None else h[scored])  # [B, N, V] or [S, V]
+            if scored is None:
+                return self.head(h)  # [B, N, V]
+            if scored.dtype == torch.bool:
+                return self.head(h[scored])  # [S, V]
+            return self.head(h.flatten(0, 1).index_select(0, scored))  # [S, V]
         if padding is None:
             pooled = h.mean(1)
         else:

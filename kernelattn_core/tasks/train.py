@@ -75,16 +75,16 @@ def loss_and_hits(
     """Cross-entropy over the scored positions (or labels), and the (correct, scored) counts.
 
     ``forward`` (default: ``model`` itself) computes the logits: the compiled model when
-    training with ``compile``. The eager model runs its head at the scored positions only;
-    a compiled one at every position, the scored ones picked outside it (a selection of
-    data-dependent size would split its graph)."""
+    training with ``compile``. Either runs its head at the scored positions only; the
+    compiled one gets them as indices found outside it (a boolean selection inside would
+    have a data-dependent size and split its graph)."""
     if model.kind == "lm":
         assert batch.targets is not None
         scored = batch.targets != IGNORE  # [B, N]
         if forward is None or forward is model:
             flat = model(batch.inputs, batch.padding, scored)  # [S, V]
         else:
-            flat = forward(batch.inputs, batch.padding)[scored]  # [B, N, V] -> [S, V]
+            flat = forward(batch.inputs, batch.padding, scored.flatten().nonzero().squeeze(1))  # [S, V]
         target = batch.targets[scored]  # [S]
     else:
         assert batch.labels is not None
