@@ -114,10 +114,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compile is not False:
         from ..tasks.train import compile_backend
 
-        try:
-            compile_backend(args.compile)
-        except InputError as exc:
-            raise InputError(f"--{exc}") from None
+        compile_backend(args.compile, "--compile")
     check_output_paths(args.plot, args.output)  # fail before the work, not after it
     fmt = resolve_format(args.format, args.output)
     preset = PRESETS[args.preset] if args.preset else None

@@ -26,6 +26,19 @@ def allowed_pairs(
     return allowed
 
 
+def _zero_non_finite_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q, k, v`` with their non-finite rows replaced by 0 (a key and its value together),
+    and those rows: ``bad_q [B, H, N]``, ``bad_k [B, H, M]``."""
+    bad_q = ~finite_rows(q)
+    bad_k = ~(finite_rows(k) & finite_rows(v))
+    q = q.masked_fill(bad_q.unsqueeze(-1), 0.0)
+    k = k.masked_fill(bad_k.unsqueeze(-1), 0.0)
+    v = v.masked_fill(bad_k.unsqueeze(-1), 0.0)
+    return q, k, v, bad_q, bad_k
+
+
 def quarantine_non_finite(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -48,11 +61,7 @@ def quarantine_non_finite(
     """
     if all(bool(torch.isfinite(t).all()) for t in (q, k, v)):
         return q, k, v, None
-    bad_q = ~finite_rows(q)  # [B, H, N]
-    bad_k = ~(finite_rows(k) & finite_rows(v))  # [B, H, M]
-    q = q.masked_fill(bad_q.unsqueeze(-1), 0.0)
-    k = k.masked_fill(bad_k.unsqueeze(-1), 0.0)
-    v = v.masked_fill(bad_k.unsqueeze(-1), 0.0)
+    q, k, v, bad_q, bad_k = _zero_non_finite_rows(q, k, v)
     seen = bad_k.unsqueeze(-2) if allowed is None else allowed & bad_k.unsqueeze(-2)  # [B, H, N|1, M]
     return q, k, v, bad_q | seen.any(-1)
 
@@ -69,11 +78,7 @@ def quarantine_traced(
     Returns ``q, k, v`` with the non-finite rows replaced by 0 and the ``[B, H, N]`` rows
     that must be NaN."""
     n, m = q.shape[-2], k.shape[-2]
-    bad_q = ~finite_rows(q)  # [B, H, N]
-    bad_k = ~(finite_rows(k) & finite_rows(v))  # [B, H, M]
-    q = q.masked_fill(bad_q.unsqueeze(-1), 0.0)
-    k = k.masked_fill(bad_k.unsqueeze(-1), 0.0)
-    v = v.masked_fill(bad_k.unsqueeze(-1), 0.0)
+    q, k, v, bad_q, bad_k = _zero_non_finite_rows(q, k, v)
     if causal:
         upto = bad_k.to(torch.int32).cumsum(-1) > 0  # [B, H, M]: a bad key at or before j
         seen = upto[..., torch.arange(n, device=q.device).clamp_max(m - 1)]  # [B, H, N]

@@ -369,8 +369,7 @@ def run_tasks(
     if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
         raise InputError(f"jobs: expected a positive int, got {jobs!r}")
     where = str(check_device("device", "cpu" if device is None else device))
-    run_options = {"device": where, "compile": compile}
-    compile_backend(compile)  # refused here, before any training
+    run_options = {"device": where, "compile": compile_backend(compile) or False}  # refused here, before any training
     names = list(estimators) if estimators else default_estimators(quadratic=quadratic)
     reg = get_registry()
     for name in names:
@@ -447,7 +446,7 @@ def _new_record(
         "steps": config.steps,
         "seeds": list(seeds),
         "device": run_options["device"],
-        "compiled": compile_backend(run_options["compile"]) or False,
+        "compiled": run_options["compile"],
         "chance": task.chance(task.config(scale)),
         "accuracy": None,
         "accuracy_std": None,

@@ -265,10 +265,10 @@ def train(
     }
 
 
-def compile_backend(compile: object) -> str | None:
+def compile_backend(compile: object, name: str = "compile") -> str | None:
     """The ``torch.compile`` backend that ``compile`` asks for (``None``: eager): ``True``
     is ``"inductor"``; a string names a backend, checked against
-    :func:`torch._dynamo.list_backends`."""
+    :func:`torch._dynamo.list_backends`. Errors name the argument ``name``."""
     if compile is False:
         return None
     if compile is True:
@@ -278,9 +278,9 @@ def compile_backend(compile: object) -> str | None:
 
         known = sorted(torch._dynamo.list_backends(exclude_tags=()))
         if compile not in known:
-            raise InputError(f"compile: expected True, False or a torch.compile backend {known}, got {compile!r}")
+            raise InputError(f"{name}: expected True, False or a torch.compile backend {known}, got {compile!r}")
         return compile
-    raise InputError(f"compile: expected True, False or a backend name, got {compile!r} ({type(compile).__name__})")
+    raise InputError(f"{name}: expected True, False or a backend name, got {compile!r} ({type(compile).__name__})")
 
 
 def _step_peak_memory(model: TaskModel, batch: TaskBatch) -> int:
