@@ -177,23 +177,29 @@ class SlidingWindowAttention(AttentionEstimator):
         with pure feature maps should count)."""
         return self.exact_keys(causal) + self.feature_map.num_features
 
-    def _attend(self, q, k, v, causal, key_padding_mask, redraw=True):  # type: ignore[no-untyped-def]
+    def _attend_scaled(self, q, k, v, root, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        # the factor is applied in _attend, on the copies that its masking makes anyway
+        return self._attend(q, k, v, causal, key_padding_mask, root=root)
+
+    def _attend(self, q, k, v, causal, key_padding_mask, redraw=True, root=1.0):  # type: ignore[no-untyped-def]
         # Keys and values that are padded, or non-finite, are zeroed before any product:
         # a matmul would spread them (0 * NaN) into queries that must not see them (padding,
         # future positions inside a block). A non-finite key or value that a query *may*
-        # see makes that query's output NaN, as in exact attention.
+        # see makes that query's output NaN, as in exact attention. ``q`` and ``k`` are
+        # scaled by ``root`` first (one fresh copy each, then masked in place).
+        q, k = q.mul(root), k.mul(root)
         dead = ~(finite_rows(k) & finite_rows(v))  # [B, H, M]
         if key_padding_mask is not None:
             dead = dead & ~key_padding_mask[:, None, :]
             zero = (dead | key_padding_mask[:, None, :]).unsqueeze(-1)
         else:
             zero = dead.unsqueeze(-1)
-        k = k.masked_fill(zero, 0.0)
+        k.masked_fill_(zero, 0.0)
         v = v.masked_fill(zero, 0.0)
         # a non-finite query spoils its own row only: kept out of the products too, or its
         # NaN row would send 0 * NaN into the keys' and values' gradients of every row
         bad_q = ~finite_rows(q)  # [B, H, N]
-        q = q.masked_fill(bad_q.unsqueeze(-1), 0.0)
+        q.masked_fill_(bad_q.unsqueeze(-1), 0.0)
         out = self._attend_finite(q, k, v, causal, key_padding_mask, redraw)
         if causal:
             poisoned = dead.cummax(-1).values[..., : q.shape[-2]]  # [B, H, N]: some earlier key is non-finite

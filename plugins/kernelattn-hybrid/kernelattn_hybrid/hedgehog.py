@@ -158,7 +158,7 @@ class HedgehogFeatureMap(FeatureMap):
         w, b = (self.weight_q, self.bias_q) if is_query else (self.weight_k, self.bias_k)
         w, b, beta = w.to(x.dtype), b.to(x.dtype), self.log_scale.to(x.dtype)
         if self.num_heads is None:
-            u = x @ w[0] + b[0]  # [..., m]
+            u = (x @ w[0]).add_(b[0])  # [..., m] (in place on the fresh product: nothing saved is overwritten)
             beta = beta[0]
         else:
             if x.dim() < 3 or x.shape[-3] != self.num_heads:
@@ -166,15 +166,16 @@ class HedgehogFeatureMap(FeatureMap):
                     f"x: hedgehog has per-head weights for num_heads = {self.num_heads}; expected "
                     f"[..., {self.num_heads}, N, d], got shape {tuple(x.shape)}"
                 )
-            u = x @ w + b[:, None, :]  # [..., H, N, d] @ [H, d, m] -> [..., H, N, m]
+            u = (x @ w).add_(b[:, None, :])  # [..., H, N, d] @ [H, d, m] -> [..., H, N, m]
             beta = beta[:, None, None]  # [H, 1, 1]
-        if self.activation == "exp":
-            logf = torch.cat([u, -u], dim=-1)
-        else:
-            logf = torch.cat([u.log_softmax(-1), (-u).log_softmax(-1)], dim=-1)
+        offset = beta  # [H, 1, 1] or a scalar
         if self.init == "prf":  # antithetic positive random features e^{+-(w.x + b) - |x|^2 / 2}
-            logf = logf - 0.5 * x.square().sum(-1, keepdim=True)
-        return logf + beta  # [..., D] log-features
+            offset = beta - 0.5 * x.square().sum(-1, keepdim=True)  # [..., 1]
+        if self.activation == "exp":
+            # [u, -u] + offset in one pass: u [..., 1, m] times the signs [2, 1], flattened to [..., 2m]
+            sign = torch.tensor([[1.0], [-1.0]], dtype=u.dtype, device=u.device)
+            return torch.addcmul(offset.unsqueeze(-1), u.unsqueeze(-2), sign).flatten(-2)  # [..., D] log-features
+        return torch.cat([u.log_softmax(-1), (-u).log_softmax(-1)], dim=-1).add_(offset)  # [..., D] log-features
 
     def extra_repr(self) -> str:
         return (

@@ -437,7 +437,7 @@ def test_float32_at_norm_ten_matches_float64_with_gradients(path, causal, window
 def test_noncausal_far_sums_by_product_and_by_scan_agree_with_naive(monkeypatch, padded):
     """Up to FAR_MATMUL_BLOCKS blocks the far sums are one [nb, nb] product, beyond it a
     prefix and a suffix scan: both paths are the naive result (outputs and gradients),
-    with the block shorter than the window (neighbour-only feature pairs) and longer."""
+    with the block as long as the window and longer."""
     from kernelattn_hybrid import window as win
 
     q, k, v, pq, pk = (t[:, :1].clone().requires_grad_() for t in _problem(40, 40, seed=11))
@@ -452,6 +452,47 @@ def test_noncausal_far_sums_by_product_and_by_scan_agree_with_naive(monkeypatch,
             grads = torch.autograd.grad(out.square().sum(), (q, k, v, pq, pk))
             for a, b in zip(grads, g_ref):
                 torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("log_space", [True, False])
+@pytest.mark.parametrize(("glob", "padded"), [(0, False), (2, True)])
+def test_noncausal_chunks_without_autograd_equal_one_pass(monkeypatch, log_space, glob, padded):
+    """Without autograd the local part runs over chunks of blocks (CHUNK_BYTES); with it, in
+    one pass. Chunks of 1, 2 and 5 blocks (which cut sequences and heads apart) give the
+    one-pass output and the naive result."""
+    n = 37
+    q, k, v, pq, pk = _problem(n, n, seed=17, log_space=log_space)
+    mask = _mask(n) if padded else None
+    kw = dict(log_space=log_space, window=3, global_tokens=glob, causal=False, key_padding_mask=mask)
+    xs = [t.clone().requires_grad_() for t in (q, k, v, pq, pk)]
+    one_pass = window_attention_blocked(*xs, block_size=4, **kw).detach()
+    ref = window_attention_naive(q, k, v, pq, pk, **kw)
+    torch.testing.assert_close(one_pass, ref, rtol=1e-11, atol=1e-12)
+    per_block = 4 * 12 * 8 * 3  # bytes of the three [C, 3C] float64 temporaries of one block
+    for blocks in (1, 2, 5):
+        monkeypatch.setattr(win, "CHUNK_BYTES", blocks * per_block)
+        with torch.no_grad():
+            out = window_attention_blocked(q, k, v, pq, pk, block_size=4, **kw)
+        torch.testing.assert_close(out, one_pass, rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_far_sums_keep_a_small_sum_beside_a_huge_block(monkeypatch, scan):
+    """Far sums add the blocks' own terms, so the sum beside a block 1e12 times larger is
+    exact in float32 (computed as the total minus a prefix it would be lost: the negative
+    control shows the subtraction gives a relative error of order 1)."""
+    monkeypatch.setattr(win, "FAR_MATMUL_BLOCKS", 0 if scan else 64)
+    nb = 9
+    s_blk = torch.rand(1, nb, 2, 3, generator=torch.Generator().manual_seed(5)) + 0.5  # float32
+    s_blk[0, 0] *= 1e12
+    far = win._far_sums(s_blk)
+    brute = torch.stack([s_blk[:, [j for j in range(nb) if abs(j - b) >= 2]].double().sum(1) for b in range(nb)], 1)
+    torch.testing.assert_close(far.double(), brute, rtol=1e-6, atol=0)
+    # negative control: the right part of block 1's far sum (blocks 3..8) as total - prefix(0..2)
+    pre = s_blk.cumsum(1)
+    right_of_1 = pre[:, -1] - pre[:, 2]
+    rel = ((right_of_1.double() - s_blk[:, 3:].double().sum(1)).abs() / s_blk[:, 3:].double().sum(1)).max()
+    assert float(rel) > 0.05
 
 
 # ---------------------------------------------------------------------- decoding state
