@@ -215,8 +215,10 @@ class SlidingWindowAttention(AttentionEstimator):
             self.redraw_policy.before_forward(fm, self.training)
         fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)
         dtype = compute_dtype(q.dtype)
-        phi_q = fm.raw_features(q, query=True).to(dtype)  # [B, H, N, D]
-        phi_k = fm.raw_features(k, query=False).to(dtype)  # [B, H, M, D]
+
+        def features(x: torch.Tensor, query: bool) -> torch.Tensor:  # [B, H, L, d] -> [B, H, L, D]
+            return fm.raw_features(x, query=query).to(dtype)
+
         kw: dict[str, Any] = {
             "log_space": fm.log_space,
             "window": self.window,
@@ -224,15 +226,18 @@ class SlidingWindowAttention(AttentionEstimator):
             "causal": causal,
             "key_padding_mask": key_padding_mask,
         }
+        out_dtype = v.dtype
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         if self.block_size is None and q.shape[-2] * k.shape[-2] <= window_module.DENSE_MAX_PAIRS:
             self.last_backend = "dense"
-            out = window_attention_dense(q.to(dtype), k.to(dtype), v.to(dtype), phi_q, phi_k, **kw)
+            out = window_attention_dense(q, k, v, features(q, True), features(k, False), **kw)
         else:
             self.last_backend = "blocked"
             block = self.block_size or max(self.window, MIN_BLOCK)
             block = min(block, max(q.shape[-2], k.shape[-2], self.window, 1))
-            out = window_attention_blocked(q.to(dtype), k.to(dtype), v.to(dtype), phi_q, phi_k, block_size=block, **kw)
-        return out.to(v.dtype)
+            # the features as a function: the blocked kernel applies it to its padded copies
+            out = window_attention_blocked(q, k, v, features, features, block_size=block, **kw)
+        return out.to(out_dtype)
 
     # ------------------------------------------------------------------ decoding
     def step(

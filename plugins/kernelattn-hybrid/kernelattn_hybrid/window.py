@@ -61,6 +61,7 @@ capped at :math:`\\tfrac12 \\log` of the dtype's largest number (it only binds w
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,8 +99,8 @@ def window_attention_blocked(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    phi_q: torch.Tensor,
-    phi_k: torch.Tensor,
+    phi_q: torch.Tensor | Callable[[torch.Tensor, bool], torch.Tensor],
+    phi_k: torch.Tensor | Callable[[torch.Tensor, bool], torch.Tensor],
     *,
     log_space: bool,
     window: int,
@@ -115,8 +116,10 @@ def window_attention_blocked(
     q, k : Tensor ``[B, H, N, d]``, ``[B, H, M, d]``
         Scaled queries and keys (logits are ``q k^T``).
     v : Tensor ``[B, H, M, dv]``
-    phi_q, phi_k : Tensor ``[B, H, N, D]``, ``[B, H, M, D]``
-        Features, or log-features when ``log_space``.
+    phi_q, phi_k : Tensor ``[B, H, N, D]``, ``[B, H, M, D]``, or a function
+        Features, or log-features when ``log_space``; or a function ``(x, query) -> [B, H,
+        L, D]`` of row-wise features, which the non-causal path applies to its padded copies
+        of ``q`` and ``k`` (no copy of the features).
     window : int
         Half-width ``w`` (non-causal) or number of most recent keys (causal).
     global_tokens : int
@@ -127,8 +130,14 @@ def window_attention_blocked(
 
     Returns
     -------
-    Tensor ``[B, H, N, dv]``; rows with no allowed key are zero.
+    Tensor ``[B, H, N, dv]``; rows with no allowed key are zero. Non-causal, a strided
+    view of the kernel's padded layout (not contiguous: the estimator's own masking step
+    makes its output contiguous).
     """
+    if causal and callable(phi_q):
+        phi_q = phi_q(q, True)
+    if causal and callable(phi_k):
+        phi_k = phi_k(k, False)
     if not causal:
         return _noncausal(
             q,
@@ -297,25 +306,22 @@ def _static_masks(
     return _STATIC[key]
 
 
-def _flat_blocks(x: torch.Tensor, nb: int, block: int, margin: bool, ones: bool = False) -> torch.Tensor:
-    """``x [B, H, L', e]`` (``L' <= nb C``) laid out flat as ``[R, e]`` rows: for every
+def _flat_blocks(x: torch.Tensor, nb: int, block: int, ones: bool = False) -> torch.Tensor:
+    """``x [B, H, L', e]`` (``L' <= nb C``) laid out flat as ``[T C, e]`` rows: for every
     ``(b, h)`` one zero block, the ``L'`` rows padded with zero rows to ``nb C``, one zero
-    block (``P = nb + 2`` blocks); with ``margin`` one more zero block at each end; with
-    ``ones`` a last column that is 1 on the ``L'`` rows of ``x`` (``[R, e + 1]``).
+    block (``P = nb + 2`` blocks, ``T = B H P``); with ``ones`` a last column that is 1 on
+    the ``L'`` rows of ``x`` (``[T C, e + 1]``).
 
-    In this layout the local keys of every block (its own and both neighbours, zeros beyond
-    the ends of each sequence) are one ``unfold(0, 3C, C)`` of the rows: a strided view
-    whose batch dimension has a single stride, which ``bmm`` reads without the copy that a
-    ``[B, H, nb, ...]`` view of overlapping windows costs (two strides to merge). One copy
-    of ``x`` is made; gradients flow back through it."""
+    In this layout the local keys of every block but the first and the last (its own and
+    both neighbours, zeros beyond the ends of each sequence) are one ``unfold(0, 3C, C)`` of
+    the rows: a strided view whose batch dimension has a single stride, which ``bmm`` reads
+    without the copy that a ``[B, H, nb, ...]`` view of overlapping windows costs (two
+    strides to merge). One copy of ``x`` is made; gradients flow back through it."""
     b_, h_, length, e = x.shape
     p = nb + 2
-    ends = block if margin else 0
-    buf = x.new_empty(b_ * h_ * p * block + 2 * ends, e + int(ones))  # only the zero rows are written twice
-    buf[:ends].zero_()
-    buf[len(buf) - ends :].zero_()
-    rows = buf[ends : len(buf) - ends].view(b_ * h_, p * block, e + int(ones))
-    rows[:, :block].zero_()
+    buf = x.new_empty(b_ * h_ * p * block, e + int(ones))
+    rows = buf.view(b_ * h_, p * block, e + int(ones))
+    rows[:, :block].zero_()  # only the zero rows are written twice
     rows[:, block + length :].zero_()
     rows[:, block : block + length, :e].copy_(x.reshape(b_ * h_, length, e))
     if ones:
@@ -329,6 +335,12 @@ def _flat_blocks(x: torch.Tensor, nb: int, block: int, margin: bool, ones: bool 
 FAR_MATMUL_BLOCKS = 1024
 
 
+def _far_of(nb: int, like: torch.Tensor) -> torch.Tensor:
+    """``[nb, nb]``: 1 where two blocks are two or more apart, else 0 (``like``'s dtype and device)."""
+    idx = torch.arange(nb, device=like.device)
+    return ((idx[:, None] - idx[None, :]).abs() >= 2).to(like.dtype)
+
+
 def _far_sums(s_blk: torch.Tensor) -> torch.Tensor:
     """For per-block sums ``s_blk [R, nb, D, e]``, the sums over the blocks two or more
     away from each block, :math:`F_b = \\sum_{|b' - b| \\ge 2} S_{b'}`, ``[R, nb, D, e]``.
@@ -339,9 +351,7 @@ def _far_sums(s_blk: torch.Tensor) -> torch.Tensor:
     ones)."""
     nb = s_blk.shape[1]
     if nb <= FAR_MATMUL_BLOCKS:
-        idx = torch.arange(nb, device=s_blk.device)
-        far_of = ((idx[:, None] - idx[None, :]).abs() >= 2).to(s_blk.dtype)  # [nb, nb]
-        return (far_of @ s_blk.flatten(-2)).view(s_blk.shape)
+        return (_far_of(nb, s_blk) @ s_blk.flatten(-2)).view(s_blk.shape)
     pre = s_blk.cumsum(1)  # inclusive prefix
     suf = s_blk.flip(1).cumsum(1).flip(1)  # inclusive suffix
     zero = torch.zeros_like(s_blk[:, :2])
@@ -399,54 +409,66 @@ def _noncausal(
         valid = ~key_padding_mask
     feat_key = valid & (pos >= g)  # keys of the window and feature sets (globals are apart) [B, M]
 
-    def flat(x: torch.Tensor, margin: bool, ones: bool = False) -> torch.Tensor:
-        return _flat_blocks(x, nb, c_blk, margin, ones)
+    def flat(x: torch.Tensor, ones: bool = False) -> torch.Tensor:
+        return _flat_blocks(x, nb, c_blk, ones)
 
-    def per_key(x: torch.Tensor) -> torch.Tensor:  # [B or 1, H or 1, M] -> flat [R, 1], margins included
-        return flat(x.expand(b_, h_, m_keys).unsqueeze(-1), margin=True)
-
-    # Features, values and their masks go straight into the flat layout; the steps after the
-    # copy work in place on those fresh buffers (autograd saves none of what they overwrite).
-    # Non-feature keys (padding, globals) and the zero blocks: 0 features, 0 values and ones.
-    not_feat = per_key(feat_key[:, None].to(dtype)) == 0  # [R, 1]
-    fq_f = flat(phi_q, margin=False)  # [T C, D]
-    fk_f = flat(phi_k, margin=True)  # [R, D]
+    # Queries, keys, values, features and masks in the flat layout, each one copy; the steps
+    # after it work in place on tensors this function owns (autograd saves none of what they
+    # overwrite). Non-feature keys (padding, globals) and the zero blocks: 0 features, 0
+    # values and ones. Features given as a function are computed on the flat rows (no copy).
+    q_f, k_f = flat(q), flat(k)  # [T C, d]
+    grad = torch.is_grad_enabled()
+    recorded = grad and any(t.requires_grad for t in (q, k, v, phi_q, phi_k) if isinstance(t, torch.Tensor))
+    lead = (b_, h_, p * c_blk)
+    fq_f = _flat_features(phi_q, q_f, True, lead, nb, c_blk, recorded)  # [T C, D]
+    fk_f = _flat_features(phi_k, k_f, False, lead, nb, c_blk, recorded)
+    if grad and not recorded and (fq_f.requires_grad or fk_f.requires_grad):  # trainable feature functions
+        recorded = True
+        fq_f, fk_f = fq_f.clone(), fk_f.clone()  # (their producers may have saved them)
+    # one pass under autograd (no Python loop is recorded) and under a compiler (which fuses
+    # it; a loop would unroll); chunks of blocks otherwise
+    one_pass = recorded or torch.compiler.is_compiling()
+    not_feat = flat(feat_key[:, None, :, None].expand(b_, h_, m_keys, 1).to(dtype)) == 0  # [T C, 1]
     if log_space:
-        a = phi_q.detach().amax(-1)  # [B, H, N]
-        a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
-        c = phi_k.detach().amax(-1).masked_fill(~feat_key[:, None, :], NEG).amax(-1)  # [B, H]: one per row of heads
+        a_f = fq_f.detach().amax(-1, keepdim=True)  # [T C, 1]
+        a_f = torch.where(torch.isfinite(a_f), a_f, torch.zeros_like(a_f))
+        c = fk_f.detach().amax(-1, keepdim=True).masked_fill(not_feat, NEG).view(b_, h_, -1).amax(-1)  # [B, H]
         c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
-        a_f = flat(a.unsqueeze(-1), margin=False)  # [T C, 1]
         fq_f.sub_(a_f).exp_()  # e^{l_q - a}, at most 1
-        fk_f.sub_(per_key(c[..., None])).masked_fill_(not_feat, NEG).exp_()  # e^{l_k - c}, at most 1
+        fk_f.view(b_, h_, -1, fk_f.shape[-1]).sub_(c[..., None, None])
+        fk_f.masked_fill_(not_feat, NEG).exp_()  # e^{l_k - c}, at most 1
     else:
         a_f = torch.zeros(t_blk * c_blk, 1, dtype=dtype, device=device)
         c = torch.zeros(b_, h_, dtype=dtype, device=device)
         fk_f.masked_fill_(not_feat, 0.0)
-    v1_f = flat(v, margin=True, ones=True).masked_fill_(not_feat, 0.0)  # [R, dv + 1]: values and a column of ones
+    v1_f = flat(v, ones=True).masked_fill_(not_feat, 0.0)  # [T C, dv + 1]: values and a column of ones
 
-    # the flat layout: queries [T, C, .]; local keys and values as views [T, ., 3C]
+    # queries [T, C, .]; the local keys and values of blocks 1 .. T - 2 as views [T - 2, ., 3C]
     span = 3 * c_blk
     blk = _Blocks(
-        q=flat(q, margin=False).view(t_blk, c_blk, -1),
+        q=q_f.view(t_blk, c_blk, -1),
         fq=fq_f.view(t_blk, c_blk, -1),
-        k_loc=flat(k, margin=True).unfold(0, span, c_blk),  # [T, d, 3C]
-        fk_loc=fk_f.unfold(0, span, c_blk),  # [T, D, 3C]
-        v_loc=v1_f.unfold(0, span, c_blk).transpose(1, 2),  # [T, 3C, dv + 1]
+        k_loc=k_f.unfold(0, span, c_blk),  # [T - 2, d, 3C]
+        fk_loc=fk_f.unfold(0, span, c_blk),  # [T - 2, D, 3C]
+        v_loc=v1_f.unfold(0, span, c_blk).transpose(1, 2),  # [T - 2, 3C, dv + 1]
         # the key bias (invalid, global, padding or beyond the end) of every block: [T, 3C]
         key_bias=_key_bias(feat_key, h_, p, c_blk, dtype),
         # the feature part's log-scale a_i + c per row: [T, C]
         m_f=a_f.view(t_blk, c_blk) + c[..., None].expand(b_, h_, p).reshape(t_blk, 1),
         far=None,
+        s_blk=None,
+        far_of=None,
         k_g=None,
         v_g=None,
         g_bias=None,
     )
     if nb > 2:  # the blocks two or more apart
-        fk_f, v1_f = fk_f[c_blk:-c_blk], v1_f[c_blk:-c_blk]  # without the margins: [T C, .]
         blocks = (b_ * h_, p, c_blk)
         s_blk = fk_f.view(*blocks, -1).transpose(-1, -2) @ v1_f.view(*blocks, dv + 1)  # [BH, P, D, dv + 1]
-        blk.far = _far_sums(s_blk).view(t_blk, -1, dv + 1)  # [T, D, dv + 1]
+        if one_pass or p > FAR_MATMUL_BLOCKS:
+            blk.far = _far_sums(s_blk).view(t_blk, -1, dv + 1)  # [T, D, dv + 1]
+        else:  # formed chunk by chunk (_far_rows): no [T, D, dv + 1] tensor
+            blk.s_blk, blk.far_of = s_blk.flatten(-2), _far_of(p, s_blk)
     if g > 0:  # the global keys of every block's sequence, with a column of ones, and their bias
         ones = torch.ones(b_, h_, g, 1, dtype=v.dtype, device=device)
         per_block = (b_, h_, p, g)
@@ -455,17 +477,42 @@ def _noncausal(
         g_bias = torch.zeros(b_, g, dtype=dtype, device=device).masked_fill(~valid[:, :g], NEG)
         blk.g_bias = g_bias[:, None, None].expand(*per_block).reshape(t_blk, 1, g)  # [T, 1, g]
 
+    # blocks 1 .. T - 2 (block 0 and block T - 1 are zero blocks, outside every sequence)
     bias, outside = _static_masks(c_blk, window, device, dtype)
-    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, phi_q, phi_k))
-    if recorded or torch.compiler.is_compiling():  # one pass (a compiler fuses it; a loop would unroll)
-        out = _noncausal_local(blk, 0, t_blk, bias, outside)
+    if one_pass:
+        out = _noncausal_local(blk, 1, t_blk - 1, bias, outside)
     else:
-        out = q.new_empty(t_blk, c_blk, dv)
+        out = q.new_empty(t_blk - 2, c_blk, dv)
         chunk = max(1, CHUNK_BYTES // (c_blk * span * q.element_size() * 3))  # three [C, 3C] temporaries per block
-        for t0 in range(0, t_blk, chunk):
-            t1 = min(t0 + chunk, t_blk)
-            out[t0:t1] = _noncausal_local(blk, t0, t1, bias, outside)
-    return out.view(b_, h_, p, c_blk, dv)[:, :, 1 : nb + 1].flatten(2, 3)[:, :, :n]
+        for t0 in range(1, t_blk - 1, chunk):
+            t1 = min(t0 + chunk, t_blk - 1)
+            out[t0 - 1 : t1 - 1] = _noncausal_local(blk, t0, t1, bias, outside)
+    # row r of sequence s (block 1 + r // C of it) is row s P C + r of ``out`` (which starts at block 1)
+    rows = p * c_blk * dv
+    return out.as_strided((b_, h_, n, dv), (h_ * rows, rows, dv, 1))  # the real rows: a view, not a copy
+
+
+def _flat_features(
+    phi: torch.Tensor | Callable[[torch.Tensor, bool], torch.Tensor],
+    x_f: torch.Tensor,
+    query: bool,
+    lead: tuple[int, int, int],
+    nb: int,
+    block: int,
+    recorded: bool,
+) -> torch.Tensor:
+    """Features ``[T C, D]`` in the flat layout, in a tensor the caller may overwrite in
+    place: ``phi`` laid out (a tensor ``[B, H, L, D]``: one copy), or computed on the flat
+    rows ``x_f`` (a function of ``(x [B, H, P C, d], query)``: no copy, unless autograd
+    records, the result is not contiguous, or it shares memory with ``x_f``; ``recorded``
+    says whether autograd records)."""
+    if not callable(phi):
+        return _flat_blocks(phi, nb, block)
+    out = phi(x_f.view(*lead, x_f.shape[-1]), query)
+    out = out.reshape(x_f.shape[0], out.shape[-1])
+    if recorded or not out.is_contiguous() or out.untyped_storage().data_ptr() == x_f.untyped_storage().data_ptr():
+        return out.clone(memory_format=torch.contiguous_format)
+    return out
 
 
 @dataclass
@@ -475,12 +522,14 @@ class _Blocks:
 
     q: torch.Tensor  # [T, C, d]
     fq: torch.Tensor  # [T, C, D]: query features (scaled by e^{-a})
-    k_loc: torch.Tensor  # [T, d, 3C]: local keys, transposed (a view)
-    fk_loc: torch.Tensor  # [T, D, 3C]: local key features (scaled by e^{-c}), transposed (a view)
-    v_loc: torch.Tensor  # [T, 3C, dv + 1]: local values and ones, zero at non-feature keys (a view)
+    k_loc: torch.Tensor  # [T - 2, d, 3C]: local keys of blocks 1 .. T - 2, transposed (a view)
+    fk_loc: torch.Tensor  # [T - 2, D, 3C]: their local key features (scaled by e^{-c}), transposed (a view)
+    v_loc: torch.Tensor  # [T - 2, 3C, dv + 1]: their local values and ones, zero at non-feature keys (a view)
     key_bias: torch.Tensor  # [T, 3C]: 0 at the local keys that may be exact, -inf elsewhere
     m_f: torch.Tensor  # [T, C]: the feature part's log-scale a_i + c
     far: torch.Tensor | None  # [T, D, dv + 1]: feature sums of the blocks two or more away
+    s_blk: torch.Tensor | None  # [B H, P, D (dv + 1)]: per-block feature sums (when ``far`` is formed per chunk)
+    far_of: torch.Tensor | None  # [P, P]: 1 for blocks two or more apart (with ``s_blk``)
     k_g: torch.Tensor | None  # [T, g, d]: global keys
     v_g: torch.Tensor | None  # [T, g, dv + 1]: global values and ones
     g_bias: torch.Tensor | None  # [T, 1, g]: 0 at valid global keys, -inf at padded ones
@@ -498,15 +547,28 @@ def _key_bias(feat_key: torch.Tensor, heads: int, p: int, block: int, dtype: tor
     return bias[:, None].expand(b_, heads, p, 3 * block).reshape(b_ * heads * p, 3 * block)
 
 
+def _far_rows(s_blk: torch.Tensor, far_of: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+    """Far sums ``[t1 - t0, D (dv + 1)]`` of the blocks ``t0 .. t1 - 1`` of the flat layout,
+    one ``[rows, P] @ [P, D (dv + 1)]`` product per sequence they touch (called without
+    autograd only: the loop is over sequences, not recorded)."""
+    p = far_of.shape[0]
+    parts = []
+    for seq in range(t0 // p, (t1 - 1) // p + 1):
+        lo, hi = max(t0 - seq * p, 0), min(t1 - seq * p, p)
+        parts.append(far_of[lo:hi] @ s_blk[seq])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _noncausal_local(blk: _Blocks, t0: int, t1: int, bias: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
     """Outputs ``[t1 - t0, C, dv]`` of the blocks ``t0 .. t1 - 1`` of the flat layout: the
     exact terms (window and global keys) and the feature terms (local pairs outside the
     window, far blocks) of each row, restated at the row's log-normaliser (module
     docstring); rows with no allowed key are zero."""
     q, fq, m_f = blk.q[t0:t1], blk.fq[t0:t1], blk.m_f[t0:t1]
-    v_loc = blk.v_loc[t0:t1]
+    loc = slice(t0 - 1, t1 - 1)  # the local views start at block 1
+    v_loc = blk.v_loc[loc]
     dv = v_loc.shape[-1] - 1
-    s_loc = torch.baddbmm(bias + blk.key_bias[t0:t1, None, :], q, blk.k_loc[t0:t1])  # [t, C, 3C]
+    s_loc = torch.baddbmm(bias + blk.key_bias[t0:t1, None, :], q, blk.k_loc[loc])  # [t, C, 3C]
     win_max = s_loc.detach().amax(-1)  # [t, C]
     if blk.k_g is not None:
         s_g = torch.baddbmm(blk.g_bias[t0:t1], q, blk.k_g[t0:t1].transpose(-1, -2))  # [t, C, g]
@@ -517,10 +579,12 @@ def _noncausal_local(blk: _Blocks, t0: int, t1: int, bias: torch.Tensor, outside
     if blk.k_g is not None:
         ne = torch.baddbmm(ne, s_g.sub_(m_e.unsqueeze(-1)).exp_(), blk.v_g[t0:t1])
 
-    f_out = torch.bmm(fq, blk.fk_loc[t0:t1]).mul_(outside)  # [t, C, 3C]: local pairs outside the window
+    f_out = torch.bmm(fq, blk.fk_loc[loc]).mul_(outside)  # [t, C, 3C]: local pairs outside the window
     nf = torch.bmm(f_out, v_loc)  # [t, C, dv + 1]
     if blk.far is not None:
         nf = torch.baddbmm(nf, fq, blk.far[t0:t1])
+    elif blk.s_blk is not None:
+        nf = torch.baddbmm(nf, fq, _far_rows(blk.s_blk, blk.far_of, t0, t1).view(t1 - t0, fq.shape[-1], -1))
 
     den_e, den_f = ne[..., dv], nf[..., dv]  # [t, C]
     with torch.no_grad():

@@ -476,6 +476,58 @@ def test_noncausal_chunks_without_autograd_equal_one_pass(monkeypatch, log_space
         torch.testing.assert_close(out, one_pass, rtol=1e-13, atol=1e-14)
 
 
+@pytest.mark.parametrize("log_space", [True, False])
+def test_noncausal_features_as_a_function_equal_features_as_tensors(log_space):
+    """The non-causal kernel computes features given as a function on its padded copies of q
+    and k and then works on them in place: the same output as precomputed features, with
+    and without autograd, also for a function that returns (a view of) its input, which
+    must not be overwritten (the kernel copies such a result first)."""
+    n = 30
+    q, k, v, _, _ = _problem(n, n, d=5, seed=23)
+    w = _rand(5, 5, seed=24)
+
+    def linear(x: torch.Tensor, query: bool) -> torch.Tensor:  # a fresh tensor
+        return x @ w if log_space else (x @ w).exp()
+
+    def itself(x: torch.Tensor, query: bool) -> torch.Tensor:  # the kernel's own copy, returned
+        return x if log_space else x.view(x.shape)
+
+    kw = dict(log_space=log_space, window=3, global_tokens=2, causal=False, key_padding_mask=_mask(n), block_size=4)
+    for fn in (linear, itself):
+        ref = window_attention_blocked(q, k, v, fn(q, True), fn(k, False), **kw)
+        with torch.no_grad():
+            out = window_attention_blocked(q, k, v, fn, fn, **kw)
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-13)
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = window_attention_blocked(*xs, fn, fn, **kw)
+        torch.testing.assert_close(out.detach(), ref, rtol=1e-12, atol=1e-13)
+        grads = torch.autograd.grad(out.square().sum(), xs)
+        ys = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_g = torch.autograd.grad(
+            window_attention_blocked(*ys, fn(ys[0], True), fn(ys[1], False), **kw).square().sum(), ys
+        )
+        for a, b in zip(grads, ref_g, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_estimator_without_autograd_equals_with_it(padded):
+    """The estimator's blocked non-causal path without autograd (features on the padded
+    copies, in-place steps, chunks) gives its output under autograd."""
+    n = 200  # past DENSE_MAX_PAIRS: the blocked path
+    q, k, v = (_rand(2, 3, n, 8, seed=s) for s in (40, 41, 42))
+    mask = torch.zeros(2, n, dtype=torch.bool)
+    if padded:
+        mask[0, 150:] = True
+    est = ka.create("sliding-window", window=6, num_features=10, num_heads=3, head_dim=8, global_tokens=1, seed=0)
+    est = est.double().eval()
+    ref = est(q, k, v, key_padding_mask=mask)
+    assert ref.requires_grad and est.last_backend == "blocked"
+    with torch.no_grad():
+        out = est(q, k, v, key_padding_mask=mask)
+    torch.testing.assert_close(out, ref.detach(), rtol=1e-12, atol=1e-13)
+
+
 @pytest.mark.parametrize("scan", [False, True])
 def test_far_sums_keep_a_small_sum_beside_a_huge_block(monkeypatch, scan):
     """Far sums add the blocks' own terms, so the sum beside a block 1e12 times larger is
