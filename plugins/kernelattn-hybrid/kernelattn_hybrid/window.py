@@ -215,10 +215,11 @@ def _causal(
     if log_space:
         a = fq.detach().amax(-1)  # [B, H, L]
         a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
-        fq = (fq - a.unsqueeze(-1)).exp()
+        fq = exp_nonpositive(fq - a.unsqueeze(-1))  # (clamped: torch's exp is slow far below 0)
         lk = _rows(phi_k, length).masked_fill(~feat_key[:, None, :, None], NEG)
         _, c = prefix_stabiliser(lk.detach().amax(-1))  # [B, H, L]: prefix maximum (the first finite value before it)
-        fk = (lk - c.unsqueeze(-1)).exp()  # [B, H, L, D], <= 1, non-feature keys 0
+        fk = exp_nonpositive(lk - c.unsqueeze(-1), feat_key[:, None, :, None].to(lk.dtype))  # [B, H, L, D], <= 1,
+        # non-feature keys 0
         m_f = a + c[..., delayed]  # [B, H, L]: the feature part's scale, a_i + c_{i - w}
         stab = c[..., delayed].contiguous()  # non-decreasing, finite
     else:
@@ -257,7 +258,8 @@ def _causal(
         s_g = s_g.masked_fill(~g_ok, NEG)
         win_max = torch.maximum(win_max, s_g.detach().amax(-1))
     m_e = torch.where(torch.isfinite(win_max), win_max, torch.zeros_like(win_max))  # [B, H, L]
-    e_loc = (s_loc - m_e.unflatten(-1, (nb, c_blk)).unsqueeze(-1)).exp()  # [B, H, nb, C, R], <= 1
+    # <= 1; exactly 0 off the exact set (the factor: a future key's value must not reach a row)
+    e_loc = exp_nonpositive(s_loc - m_e.unflatten(-1, (nb, c_blk)).unsqueeze(-1), exact_loc[:, None].to(s_loc.dtype))
     den_e = e_loc.sum(-1).flatten(2, 3)  # [B, H, L]
     if g > 0:
         e_g = (s_g - m_e.unsqueeze(-1)).exp()  # [B, H, L, g]
@@ -319,9 +321,14 @@ def _flat_blocks(x: torch.Tensor, nb: int, block: int, ones: bool = False) -> to
     strides to merge). One copy of ``x`` is made; gradients flow back through it."""
     b_, h_, length, e = x.shape
     p = nb + 2
-    buf = x.new_empty(b_ * h_ * p * block, e + int(ones))
+    if torch.is_grad_enabled() and x.requires_grad:  # F.pad: its backward is a view of the gradient
+        if ones:
+            x = torch.cat([x, torch.ones_like(x[..., :1])], -1)
+        pad = (0, 0, block, (p - 1) * block - length)
+        return F.pad(x.reshape(b_ * h_, length, x.shape[-1]), pad).view(b_ * h_ * p * block, -1)
+    buf = x.new_empty(b_ * h_ * p * block, e + int(ones))  # written once: the zero rows, then x
     rows = buf.view(b_ * h_, p * block, e + int(ones))
-    rows[:, :block].zero_()  # only the zero rows are written twice
+    rows[:, :block].zero_()
     rows[:, block + length :].zero_()
     rows[:, block : block + length, :e].copy_(x.reshape(b_ * h_, length, e))
     if ones:
@@ -420,41 +427,51 @@ def _noncausal(
     grad = torch.is_grad_enabled()
     recorded = grad and any(t.requires_grad for t in (q, k, v, phi_q, phi_k) if isinstance(t, torch.Tensor))
     lead = (b_, h_, p * c_blk)
-    fq_f = _flat_features(phi_q, q_f, True, lead, nb, c_blk, recorded)  # [T C, D]
-    fk_f = _flat_features(phi_k, k_f, False, lead, nb, c_blk, recorded)
-    if grad and not recorded and (fq_f.requires_grad or fk_f.requires_grad):  # trainable feature functions
-        recorded = True
-        fq_f, fk_f = fq_f.clone(), fk_f.clone()  # (their producers may have saved them)
+    lq, own_q = _flat_features(phi_q, q_f, True, lead, nb, c_blk, recorded)  # [T C, D]
+    lk, own_k = _flat_features(phi_k, k_f, False, lead, nb, c_blk, recorded)
+    recorded = recorded or (torch.is_grad_enabled() and (lq.requires_grad or lk.requires_grad))  # trainable maps
     # one pass under autograd (no Python loop is recorded) and under a compiler (which fuses
     # it; a loop would unroll); chunks of blocks otherwise
     one_pass = recorded or torch.compiler.is_compiling()
+    # Without autograd, arguments of exp are clamped to a third of log(smallest normal)
+    # (float32: -29): torch's exp leaves its fast path far below 0 or at -inf (4.6x slower
+    # with half the entries -inf), and a product of two terms near the smallest normal would
+    # be subnormal (slower still in the products). Such a term is at most e^-29 = 2.5e-13 of
+    # its row's largest, at a key whose values and ones are 0 (padding) or that the row sees
+    # through its features. Under autograd the clamp's backward costs more than it saves.
+    low = -math.inf if recorded else math.log(torch.finfo(dtype).tiny) / 3
     not_feat = flat(feat_key[:, None, :, None].expand(b_, h_, m_keys, 1).to(dtype)) == 0  # [T C, 1]
     if log_space:
-        a_f = fq_f.detach().amax(-1, keepdim=True)  # [T C, 1]
+        a_f = lq.detach().amax(-1, keepdim=True)  # [T C, 1]
         a_f = torch.where(torch.isfinite(a_f), a_f, torch.zeros_like(a_f))
-        c = fk_f.detach().amax(-1, keepdim=True).masked_fill(not_feat, NEG).view(b_, h_, -1).amax(-1)  # [B, H]
+        c = lk.detach().amax(-1, keepdim=True).masked_fill(not_feat, NEG).view(b_, h_, -1).amax(-1)  # [B, H]
         c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
-        fq_f.sub_(a_f).exp_()  # e^{l_q - a}, at most 1
-        fk_f.view(b_, h_, -1, fk_f.shape[-1]).sub_(c[..., None, None])
-        fk_f.masked_fill_(not_feat, NEG).exp_()  # e^{l_k - c}, at most 1
+        c_rows = c[..., None].expand(b_, h_, p * c_blk).reshape(-1, 1)  # [T C, 1]
+        fq_f = _exp_(lq.sub_(a_f) if own_q else lq - a_f, low)  # e^{l_q - a}, at most 1
+        fk_f = lk.sub_(c_rows) if own_k else lk - c_rows
+        _exp_(fk_f.masked_fill_(not_feat, NEG), low)  # e^{l_k - c}, at most 1 (non-feature keys: 0 or tiny)
     else:
         a_f = torch.zeros(t_blk * c_blk, 1, dtype=dtype, device=device)
         c = torch.zeros(b_, h_, dtype=dtype, device=device)
-        fk_f.masked_fill_(not_feat, 0.0)
+        fq_f = lq
+        fk_f = lk.masked_fill_(not_feat, 0.0) if own_k else lk.masked_fill(not_feat, 0.0)
     v1_f = flat(v, ones=True).masked_fill_(not_feat, 0.0)  # [T C, dv + 1]: values and a column of ones
 
-    # queries [T, C, .]; the local keys and values of blocks 1 .. T - 2 as views [T - 2, ., 3C]
+    # Blocks 1 .. T - 2 (block 0 and block T - 1 are zero blocks, outside every sequence):
+    # their queries [T - 2, C, .]; their local keys and values as views [T - 2, ., 3C]
     span = 3 * c_blk
+    inner = slice(1, t_blk - 1)
     blk = _Blocks(
-        q=q_f.view(t_blk, c_blk, -1),
-        fq=fq_f.view(t_blk, c_blk, -1),
+        q=q_f.view(t_blk, c_blk, -1)[inner],
+        fq=fq_f.view(t_blk, c_blk, -1)[inner],
         k_loc=k_f.unfold(0, span, c_blk),  # [T - 2, d, 3C]
         fk_loc=fk_f.unfold(0, span, c_blk),  # [T - 2, D, 3C]
         v_loc=v1_f.unfold(0, span, c_blk).transpose(1, 2),  # [T - 2, 3C, dv + 1]
-        # the key bias (invalid, global, padding or beyond the end) of every block: [T, 3C]
-        key_bias=_key_bias(feat_key, h_, p, c_blk, dtype),
-        # the feature part's log-scale a_i + c per row: [T, C]
-        m_f=a_f.view(t_blk, c_blk) + c[..., None].expand(b_, h_, p).reshape(t_blk, 1),
+        # the key bias (invalid, global, padding or beyond the end) of every block: [T - 2, 3C]
+        key_bias=_key_bias(feat_key, h_, p, c_blk, dtype)[inner],
+        # the feature part's log-scale a_i + c per row: [T - 2, C]
+        m_f=(a_f.view(t_blk, c_blk) + c[..., None].expand(b_, h_, p).reshape(t_blk, 1))[inner],
+        low=low,
         far=None,
         s_blk=None,
         far_of=None,
@@ -466,30 +483,35 @@ def _noncausal(
         blocks = (b_ * h_, p, c_blk)
         s_blk = fk_f.view(*blocks, -1).transpose(-1, -2) @ v1_f.view(*blocks, dv + 1)  # [BH, P, D, dv + 1]
         if one_pass or p > FAR_MATMUL_BLOCKS:
-            blk.far = _far_sums(s_blk).view(t_blk, -1, dv + 1)  # [T, D, dv + 1]
+            blk.far = _far_sums(s_blk).view(t_blk, -1, dv + 1)[inner]  # [T - 2, D, dv + 1]
         else:  # formed chunk by chunk (_far_rows): no [T, D, dv + 1] tensor
             blk.s_blk, blk.far_of = s_blk.flatten(-2), _far_of(p, s_blk)
     if g > 0:  # the global keys of every block's sequence, with a column of ones, and their bias
         ones = torch.ones(b_, h_, g, 1, dtype=v.dtype, device=device)
         per_block = (b_, h_, p, g)
-        blk.k_g = k[:, :, None, :g].expand(*per_block, k.shape[-1]).reshape(t_blk, g, -1)  # [T, g, d]
-        blk.v_g = torch.cat([v[:, :, :g], ones], -1)[:, :, None].expand(*per_block, dv + 1).reshape(t_blk, g, dv + 1)
+        blk.k_g = k[:, :, None, :g].expand(*per_block, k.shape[-1]).reshape(t_blk, g, -1)[inner]  # [T - 2, g, d]
+        v_g = torch.cat([v[:, :, :g], ones], -1)[:, :, None].expand(*per_block, dv + 1)
+        blk.v_g = v_g.reshape(t_blk, g, dv + 1)[inner]
         g_bias = torch.zeros(b_, g, dtype=dtype, device=device).masked_fill(~valid[:, :g], NEG)
-        blk.g_bias = g_bias[:, None, None].expand(*per_block).reshape(t_blk, 1, g)  # [T, 1, g]
+        blk.g_bias = g_bias[:, None, None].expand(*per_block).reshape(t_blk, 1, g)[inner]  # [T - 2, 1, g]
 
-    # blocks 1 .. T - 2 (block 0 and block T - 1 are zero blocks, outside every sequence)
     bias, outside = _static_masks(c_blk, window, device, dtype)
     if one_pass:
-        out = _noncausal_local(blk, 1, t_blk - 1, bias, outside)
+        out = _noncausal_local(blk, 0, t_blk - 2, bias, outside)
     else:
         out = q.new_empty(t_blk - 2, c_blk, dv)
         chunk = max(1, CHUNK_BYTES // (c_blk * span * q.element_size() * 3))  # three [C, 3C] temporaries per block
-        for t0 in range(1, t_blk - 1, chunk):
-            t1 = min(t0 + chunk, t_blk - 1)
-            out[t0 - 1 : t1 - 1] = _noncausal_local(blk, t0, t1, bias, outside)
+        for i0 in range(0, t_blk - 2, chunk):
+            i1 = min(i0 + chunk, t_blk - 2)
+            out[i0:i1] = _noncausal_local(blk, i0, i1, bias, outside)
     # row r of sequence s (block 1 + r // C of it) is row s P C + r of ``out`` (which starts at block 1)
     rows = p * c_blk * dv
     return out.as_strided((b_, h_, n, dv), (h_ * rows, rows, dv, 1))  # the real rows: a view, not a copy
+
+
+def _exp_(x: torch.Tensor, low: float) -> torch.Tensor:
+    """``x`` overwritten by :math:`e^{\\max(x, low)}` (no clamp for ``low = -inf``)."""
+    return (x if low == -math.inf else x.clamp_(min=low)).exp_()
 
 
 def _flat_features(
@@ -500,39 +522,40 @@ def _flat_features(
     nb: int,
     block: int,
     recorded: bool,
-) -> torch.Tensor:
-    """Features ``[T C, D]`` in the flat layout, in a tensor the caller may overwrite in
-    place: ``phi`` laid out (a tensor ``[B, H, L, D]``: one copy), or computed on the flat
-    rows ``x_f`` (a function of ``(x [B, H, P C, d], query)``: no copy, unless autograd
-    records, the result is not contiguous, or it shares memory with ``x_f``; ``recorded``
-    says whether autograd records)."""
+) -> tuple[torch.Tensor, bool]:
+    """Features ``[T C, D]`` in the flat layout and whether the caller may overwrite them in
+    place: ``phi`` laid out (a tensor ``[B, H, L, D]``: one copy, the caller's), or computed
+    on the flat rows ``x_f`` (a function of ``(x [B, H, P C, d], query)``: no copy; not the
+    caller's to overwrite under autograd, whose graph may have saved it (``recorded``), nor
+    when it is not contiguous or shares memory with ``x_f``)."""
     if not callable(phi):
-        return _flat_blocks(phi, nb, block)
+        return _flat_blocks(phi, nb, block), True
     out = phi(x_f.view(*lead, x_f.shape[-1]), query)
-    out = out.reshape(x_f.shape[0], out.shape[-1])
-    if recorded or not out.is_contiguous() or out.untyped_storage().data_ptr() == x_f.untyped_storage().data_ptr():
-        return out.clone(memory_format=torch.contiguous_format)
-    return out
+    aliased = out.untyped_storage().data_ptr() == x_f.untyped_storage().data_ptr()
+    owned = not (recorded or out.requires_grad) and out.is_contiguous() and not aliased
+    return out.reshape(x_f.shape[0], out.shape[-1]), owned
 
 
 @dataclass
 class _Blocks:
-    """The inputs of :func:`_noncausal_local` for all ``T`` blocks of the flat layout
-    (:func:`_flat_blocks`); every field's first dimension is the block."""
+    """The inputs of :func:`_noncausal_local` for the blocks ``1 .. T - 2`` of the flat
+    layout (:func:`_flat_blocks`; blocks 0 and ``T - 1`` are zero blocks outside every
+    sequence); every field's first dimension is the block, counted from block 1."""
 
-    q: torch.Tensor  # [T, C, d]
-    fq: torch.Tensor  # [T, C, D]: query features (scaled by e^{-a})
+    q: torch.Tensor  # [T - 2, C, d]
+    fq: torch.Tensor  # [T - 2, C, D]: query features (scaled by e^{-a})
     k_loc: torch.Tensor  # [T - 2, d, 3C]: local keys of blocks 1 .. T - 2, transposed (a view)
     fk_loc: torch.Tensor  # [T - 2, D, 3C]: their local key features (scaled by e^{-c}), transposed (a view)
     v_loc: torch.Tensor  # [T - 2, 3C, dv + 1]: their local values and ones, zero at non-feature keys (a view)
-    key_bias: torch.Tensor  # [T, 3C]: 0 at the local keys that may be exact, -inf elsewhere
-    m_f: torch.Tensor  # [T, C]: the feature part's log-scale a_i + c
-    far: torch.Tensor | None  # [T, D, dv + 1]: feature sums of the blocks two or more away
+    key_bias: torch.Tensor  # [T - 2, 3C]: 0 at the local keys that may be exact, -inf elsewhere
+    m_f: torch.Tensor  # [T - 2, C]: the feature part's log-scale a_i + c
+    low: float  # the clamp of exp's arguments (-inf: none)
+    far: torch.Tensor | None  # [T - 2, D, dv + 1]: feature sums of the blocks two or more away
     s_blk: torch.Tensor | None  # [B H, P, D (dv + 1)]: per-block feature sums (when ``far`` is formed per chunk)
     far_of: torch.Tensor | None  # [P, P]: 1 for blocks two or more apart (with ``s_blk``)
-    k_g: torch.Tensor | None  # [T, g, d]: global keys
-    v_g: torch.Tensor | None  # [T, g, dv + 1]: global values and ones
-    g_bias: torch.Tensor | None  # [T, 1, g]: 0 at valid global keys, -inf at padded ones
+    k_g: torch.Tensor | None  # [T - 2, g, d]: global keys
+    v_g: torch.Tensor | None  # [T - 2, g, dv + 1]: global values and ones
+    g_bias: torch.Tensor | None  # [T - 2, 1, g]: 0 at valid global keys, -inf at padded ones
 
 
 def _key_bias(feat_key: torch.Tensor, heads: int, p: int, block: int, dtype: torch.dtype) -> torch.Tensor:
@@ -559,32 +582,34 @@ def _far_rows(s_blk: torch.Tensor, far_of: torch.Tensor, t0: int, t1: int) -> to
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _noncausal_local(blk: _Blocks, t0: int, t1: int, bias: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
-    """Outputs ``[t1 - t0, C, dv]`` of the blocks ``t0 .. t1 - 1`` of the flat layout: the
-    exact terms (window and global keys) and the feature terms (local pairs outside the
-    window, far blocks) of each row, restated at the row's log-normaliser (module
-    docstring); rows with no allowed key are zero."""
-    q, fq, m_f = blk.q[t0:t1], blk.fq[t0:t1], blk.m_f[t0:t1]
-    loc = slice(t0 - 1, t1 - 1)  # the local views start at block 1
-    v_loc = blk.v_loc[loc]
+def _noncausal_local(blk: _Blocks, i0: int, i1: int, bias: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
+    """Outputs ``[i1 - i0, C, dv]`` of the blocks ``i0 + 1 .. i1`` of the flat layout (the
+    fields of ``blk`` start at block 1): the exact terms (window and global keys) and the
+    feature terms (local pairs outside the window, far blocks) of each row, restated at the
+    row's log-normaliser (module docstring); rows with no allowed key are zero."""
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # no slice for the whole range (its backward would copy)
+        return x if (i0, i1) == (0, x.shape[0]) else x[i0:i1]
+
+    q, fq, m_f, v_loc = rows(blk.q), rows(blk.fq), rows(blk.m_f), rows(blk.v_loc)
     dv = v_loc.shape[-1] - 1
-    s_loc = torch.baddbmm(bias + blk.key_bias[t0:t1, None, :], q, blk.k_loc[loc])  # [t, C, 3C]
+    s_loc = torch.baddbmm(bias + rows(blk.key_bias)[:, None, :], q, rows(blk.k_loc))  # [t, C, 3C]
     win_max = s_loc.detach().amax(-1)  # [t, C]
     if blk.k_g is not None:
-        s_g = torch.baddbmm(blk.g_bias[t0:t1], q, blk.k_g[t0:t1].transpose(-1, -2))  # [t, C, g]
+        s_g = torch.baddbmm(rows(blk.g_bias), q, rows(blk.k_g).transpose(-1, -2))  # [t, C, g]
         win_max = torch.maximum(win_max, s_g.detach().amax(-1))
     m_e = torch.where(torch.isfinite(win_max), win_max, torch.zeros_like(win_max))  # [t, C]
-    e_loc = s_loc.sub_(m_e.unsqueeze(-1)).exp_()  # <= 1, 0 off the exact set (s_loc is not saved)
+    e_loc = _exp_(s_loc.sub_(m_e.unsqueeze(-1)), blk.low)  # <= 1, 0 or tiny off the exact set
     ne = torch.bmm(e_loc, v_loc)  # [t, C, dv + 1]: numerator and denominator
     if blk.k_g is not None:
-        ne = torch.baddbmm(ne, s_g.sub_(m_e.unsqueeze(-1)).exp_(), blk.v_g[t0:t1])
+        ne = torch.baddbmm(ne, s_g.sub_(m_e.unsqueeze(-1)).exp_(), rows(blk.v_g))
 
-    f_out = torch.bmm(fq, blk.fk_loc[loc]).mul_(outside)  # [t, C, 3C]: local pairs outside the window
+    f_out = torch.bmm(fq, rows(blk.fk_loc)).mul_(outside)  # [t, C, 3C]: local pairs outside the window
     nf = torch.bmm(f_out, v_loc)  # [t, C, dv + 1]
     if blk.far is not None:
-        nf = torch.baddbmm(nf, fq, blk.far[t0:t1])
-    elif blk.s_blk is not None:
-        nf = torch.baddbmm(nf, fq, _far_rows(blk.s_blk, blk.far_of, t0, t1).view(t1 - t0, fq.shape[-1], -1))
+        nf = torch.baddbmm(nf, fq, rows(blk.far))
+    elif blk.s_blk is not None:  # blocks i0 + 1 .. i1 of the whole layout
+        nf = torch.baddbmm(nf, fq, _far_rows(blk.s_blk, blk.far_of, i0 + 1, i1 + 1).view(i1 - i0, fq.shape[-1], -1))
 
     den_e, den_f = ne[..., dv], nf[..., dv]  # [t, C]
     with torch.no_grad():
