@@ -157,25 +157,24 @@ class HedgehogFeatureMap(FeatureMap):
     def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
         w, b = (self.weight_q, self.bias_q) if is_query else (self.weight_k, self.bias_k)
         w, b, beta = w.to(x.dtype), b.to(x.dtype), self.log_scale.to(x.dtype)
+        # both signs from one product: [w, -w] and [b, -b] give [u, -u] (u = w.x + b), with
+        # the head's log-scale beta folded into the bias
+        w2, b2 = torch.cat([w, -w], -1), torch.cat([b, -b], -1)  # [H, d, 2m], [H, 2m]
         if self.num_heads is None:
-            u = (x @ w[0]).add_(b[0])  # [..., m] (in place on the fresh product: nothing saved is overwritten)
-            beta = beta[0]
+            u2 = (x @ w2[0]).add_(b2[0] + beta[0])  # [..., 2m] (in place on the fresh product: nothing saved)
         else:
             if x.dim() < 3 or x.shape[-3] != self.num_heads:
                 raise InputError(
                     f"x: hedgehog has per-head weights for num_heads = {self.num_heads}; expected "
                     f"[..., {self.num_heads}, N, d], got shape {tuple(x.shape)}"
                 )
-            u = (x @ w).add_(b[:, None, :])  # [..., H, N, d] @ [H, d, m] -> [..., H, N, m]
-            beta = beta[:, None, None]  # [H, 1, 1]
-        offset = beta  # [H, 1, 1] or a scalar
+            u2 = (x @ w2).add_((b2 + beta[:, None])[:, None, :])  # [..., H, N, d] @ [H, d, 2m] -> [..., H, N, 2m]
+        if self.activation == "softmax":  # log-softmax over each sign's m entries (beta cancels in it: added back)
+            shift = beta[0] if self.num_heads is None else beta[:, None, None]
+            u2 = u2.unflatten(-1, (2, -1)).log_softmax(-1).flatten(-2) + shift  # (log_softmax saves its output)
         if self.init == "prf":  # antithetic positive random features e^{+-(w.x + b) - |x|^2 / 2}
-            offset = beta - 0.5 * x.square().sum(-1, keepdim=True)  # [..., 1]
-        if self.activation == "exp":
-            # [u, -u] + offset in one pass: u [..., 1, m] times the signs [2, 1], flattened to [..., 2m]
-            sign = torch.tensor([[1.0], [-1.0]], dtype=u.dtype, device=u.device)
-            return torch.addcmul(offset.unsqueeze(-1), u.unsqueeze(-2), sign).flatten(-2)  # [..., D] log-features
-        return torch.cat([u.log_softmax(-1), (-u).log_softmax(-1)], dim=-1).add_(offset)  # [..., D] log-features
+            u2 = u2.sub_(0.5 * x.square().sum(-1, keepdim=True))
+        return u2  # [..., D] log-features
 
     def extra_repr(self) -> str:
         return (
