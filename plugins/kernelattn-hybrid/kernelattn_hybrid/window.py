@@ -433,13 +433,17 @@ def _noncausal(
     # one pass under autograd (no Python loop is recorded) and under a compiler (which fuses
     # it; a loop would unroll); chunks of blocks otherwise
     one_pass = recorded or torch.compiler.is_compiling()
-    # Without autograd, arguments of exp are clamped to a third of log(smallest normal)
-    # (float32: -29): torch's exp leaves its fast path far below 0 or at -inf (4.6x slower
-    # with half the entries -inf), and a product of two terms near the smallest normal would
-    # be subnormal (slower still in the products). Such a term is at most e^-29 = 2.5e-13 of
-    # its row's largest, at a key whose values and ones are 0 (padding) or that the row sees
-    # through its features. Under autograd the clamp's backward costs more than it saves.
-    low = -math.inf if recorded else math.log(torch.finfo(dtype).tiny) / 3
+    # Without autograd the arguments of exp are clamped: torch's exp leaves its fast path far
+    # below 0 or at -inf (4.6x slower with half the entries -inf). The local logits at a third
+    # of log(smallest normal) (float32: -29), not lower, so that their products with the
+    # values are not subnormal (slower still): a clamped term is at most e^-29 = 2.5e-13 of
+    # its row's largest exact term, at a key whose values and ones are 0 (padding) or that the
+    # row sees through its features (rows with no exact key drop their exact part, below).
+    # The features at log(smallest normal), as exp_nonpositive does, and the non-feature keys'
+    # set to 0 after the exponential. Under autograd no clamp: its backward costs more than it
+    # saves.
+    tiny = math.log(torch.finfo(dtype).tiny)
+    low_e, low_f = (-math.inf, -math.inf) if recorded else (tiny / 3, tiny)
     not_feat = flat(feat_key[:, None, :, None].expand(b_, h_, m_keys, 1).to(dtype)) == 0  # [T C, 1]
     if log_space:
         a_f = lq.detach().amax(-1, keepdim=True)  # [T C, 1]
@@ -447,9 +451,12 @@ def _noncausal(
         c = lk.detach().amax(-1, keepdim=True).masked_fill(not_feat, NEG).view(b_, h_, -1).amax(-1)  # [B, H]
         c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
         c_rows = c[..., None].expand(b_, h_, p * c_blk).reshape(-1, 1)  # [T C, 1]
-        fq_f = _exp_(lq.sub_(a_f) if own_q else lq - a_f, low)  # e^{l_q - a}, at most 1
-        fk_f = lk.sub_(c_rows) if own_k else lk - c_rows
-        _exp_(fk_f.masked_fill_(not_feat, NEG), low)  # e^{l_k - c}, at most 1 (non-feature keys: 0 or tiny)
+        fq_f = _exp_(lq.sub_(a_f) if own_q else lq - a_f, low_f)  # e^{l_q - a}, at most 1
+        fk_f = lk.sub_(c_rows) if own_k else lk - c_rows  # e^{l_k - c}, at most 1, 0 at non-feature keys:
+        if recorded:
+            _exp_(fk_f.masked_fill_(not_feat, NEG), low_f)  # (exp saves its result: masked before)
+        else:
+            _exp_(fk_f, low_f).masked_fill_(not_feat, 0.0)
     else:
         a_f = torch.zeros(t_blk * c_blk, 1, dtype=dtype, device=device)
         c = torch.zeros(b_, h_, dtype=dtype, device=device)
@@ -471,7 +478,7 @@ def _noncausal(
         key_bias=_key_bias(feat_key, h_, p, c_blk, dtype)[inner],
         # the feature part's log-scale a_i + c per row: [T - 2, C]
         m_f=(a_f.view(t_blk, c_blk) + c[..., None].expand(b_, h_, p).reshape(t_blk, 1))[inner],
-        low=low,
+        low=low_e,
         far=None,
         s_blk=None,
         far_of=None,
@@ -549,7 +556,7 @@ class _Blocks:
     v_loc: torch.Tensor  # [T - 2, 3C, dv + 1]: their local values and ones, zero at non-feature keys (a view)
     key_bias: torch.Tensor  # [T - 2, 3C]: 0 at the local keys that may be exact, -inf elsewhere
     m_f: torch.Tensor  # [T - 2, C]: the feature part's log-scale a_i + c
-    low: float  # the clamp of exp's arguments (-inf: none)
+    low: float  # the clamp of the local logits' exp arguments (-inf: none)
     far: torch.Tensor | None  # [T - 2, D, dv + 1]: feature sums of the blocks two or more away
     s_blk: torch.Tensor | None  # [B H, P, D (dv + 1)]: per-block feature sums (when ``far`` is formed per chunk)
     far_of: torch.Tensor | None  # [P, P]: 1 for blocks two or more apart (with ``s_blk``)
@@ -598,7 +605,8 @@ def _noncausal_local(blk: _Blocks, i0: int, i1: int, bias: torch.Tensor, outside
     if blk.k_g is not None:
         s_g = torch.baddbmm(rows(blk.g_bias), q, rows(blk.k_g).transpose(-1, -2))  # [t, C, g]
         win_max = torch.maximum(win_max, s_g.detach().amax(-1))
-    m_e = torch.where(torch.isfinite(win_max), win_max, torch.zeros_like(win_max))  # [t, C]
+    has_exact = torch.isfinite(win_max)  # [t, C]
+    m_e = torch.where(has_exact, win_max, torch.zeros_like(win_max))
     e_loc = _exp_(s_loc.sub_(m_e.unsqueeze(-1)), blk.low)  # <= 1, 0 or tiny off the exact set
     ne = torch.bmm(e_loc, v_loc)  # [t, C, dv + 1]: numerator and denominator
     if blk.k_g is not None:
@@ -613,10 +621,11 @@ def _noncausal_local(blk: _Blocks, i0: int, i1: int, bias: torch.Tensor, outside
 
     den_e, den_f = ne[..., dv], nf[..., dv]  # [t, C]
     with torch.no_grad():
-        top = torch.maximum(m_e + den_e.log(), m_f + den_f.abs().log())
+        l_e = torch.where(has_exact, m_e + den_e.log(), torch.full_like(m_e, NEG))
+        top = torch.maximum(l_e, m_f + den_f.abs().log())
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # rows with no allowed key
         cap = 0.5 * math.log(torch.finfo(top.dtype).max)
-        w_e = torch.where(den_e > 0, (m_e - top).clamp(max=0.0).exp(), torch.zeros_like(top))
+        w_e = torch.where((den_e > 0) & has_exact, (m_e - top).clamp(max=0.0).exp(), torch.zeros_like(top))
         w_f = (m_f - top).clamp(max=cap).exp()
     tot = ne * w_e.unsqueeze(-1) + nf * w_f.unsqueeze(-1)  # [t, C, dv + 1]
     num, den = tot[..., :dv], tot[..., dv]

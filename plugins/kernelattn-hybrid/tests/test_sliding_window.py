@@ -433,6 +433,49 @@ def test_float32_at_norm_ten_matches_float64_with_gradients(path, causal, window
         torch.testing.assert_close(a.double(), b, rtol=2e-3, atol=2e-4, msg=name)
 
 
+@pytest.mark.parametrize("window", [16, 2])
+def test_float32_without_autograd_at_norm_ten_matches_float64(monkeypatch, window):
+    """Without autograd the blocked kernel clamps exp's arguments (local logits at e^-29 of
+    the row's largest exact term, features at the smallest normal number): at norm ten the
+    exact terms lie some 120 nats below the feature scale, and the float32 rows still
+    agree with float64 (as under autograd, test above). Also the rows whose window holds no
+    valid key (the second half padded in batch 0): their exact part is dropped, not read
+    from the clamped terms."""
+    monkeypatch.setattr(win, "DENSE_MAX_PAIRS", 0)
+    n = 60
+    q, k, v = _opposed(n, 3, 10.0, F64, seed=33)
+    mask = torch.zeros(1, n, dtype=torch.bool)
+    mask[0, n // 2 :] = True
+    est = ka.create("sliding-window", window=window, num_features=16, block_size=max(window, 4)).eval()
+    outs = {}
+    for dtype in (torch.float32, F64):
+        with torch.no_grad():
+            outs[dtype] = est.to(dtype)(*(t.to(dtype) for t in (q, k, v)), key_padding_mask=mask).double()
+    assert bool(torch.isfinite(outs[torch.float32]).all())
+    torch.testing.assert_close(outs[torch.float32], outs[F64], rtol=2e-3, atol=2e-4)
+    with torch.enable_grad():  # the float64 rows without autograd are those with it
+        ref = est.to(F64)(*(t.clone().requires_grad_() for t in (q, k, v)), key_padding_mask=mask)
+    torch.testing.assert_close(outs[F64], ref.detach(), rtol=1e-10, atol=1e-12)
+
+
+def test_rows_without_an_exact_key_ignore_the_clamped_exact_terms_without_autograd():
+    """Keys 10..19 padded: rows 12..17 have no valid key in their window (w = 2) and see only
+    far keys, through features whose scale is e^-600. Without autograd the clamped exact
+    terms of such a row (e^-236 in float64, at the stand-in maximum 0) must not count: the
+    rows equal the naive result (counted, they would be the mean of the row's local values
+    outside its window: the test fails when the kernel counts them)."""
+    n = 40
+    q, k, v, pq, pk = (t[:1, :1] for t in _problem(n, n, seed=51))
+    pq, pk = pq - 300.0, pk - 300.0
+    mask = torch.zeros(1, n, dtype=torch.bool)
+    mask[0, 10:20] = True
+    kw = dict(log_space=True, window=2, global_tokens=0, causal=False, key_padding_mask=mask)
+    ref = window_attention_naive(q, k, v, pq, pk, **kw)
+    with torch.no_grad():
+        out = window_attention_blocked(q, k, v, pq, pk, block_size=4, **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_noncausal_far_sums_by_product_and_by_scan_agree_with_naive(monkeypatch, padded):
     """Up to FAR_MATMUL_BLOCKS blocks the far sums are one [nb, nb] product, beyond it a
