@@ -366,9 +366,12 @@ def _far_sums(s_blk: torch.Tensor) -> torch.Tensor:
 
 
 #: without autograd, the non-causal local part runs over chunks of blocks whose temporaries
-#: (``[chunk, C, 3C]`` scores) total about this many bytes: they stay in the cache and are
-#: reused by the allocator, instead of whole-input tensors that are paged in afresh on every
-#: call (about 100K page faults per call at N = 8K; 8K, 2 threads: 1.6x faster chunked)
+#: (``[chunk, C, 3C]`` scores) total about this many bytes: they stay in the cache and the
+#: allocator reuses them, where whole-input temporaries are paged in afresh on many calls
+#: (glibc returns blocks above 32 MB to the system). Measured 2026-11-26, 2 threads, one
+#: process per setting: 4 MB gives 8K (batch 1) 145-158 ms a call and N = 512 (batch 8)
+#: 57-66 ms, steadily; one pass 125-195 ms and 61-73 ms, 16-32 MB chunks swing between the
+#: two (the allocator's state decides)
 CHUNK_BYTES = 4 << 20
 
 
@@ -376,8 +379,8 @@ def _noncausal(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    phi_q: torch.Tensor,
-    phi_k: torch.Tensor,
+    phi_q: torch.Tensor | Callable[[torch.Tensor, bool], torch.Tensor],
+    phi_k: torch.Tensor | Callable[[torch.Tensor, bool], torch.Tensor],
     *,
     log_space: bool,
     window: int,
@@ -429,7 +432,7 @@ def _noncausal(
     lead = (b_, h_, p * c_blk)
     lq, own_q = _flat_features(phi_q, q_f, True, lead, nb, c_blk, recorded)  # [T C, D]
     lk, own_k = _flat_features(phi_k, k_f, False, lead, nb, c_blk, recorded)
-    recorded = recorded or (torch.is_grad_enabled() and (lq.requires_grad or lk.requires_grad))  # trainable maps
+    recorded = recorded or (grad and (lq.requires_grad or lk.requires_grad))  # trainable feature maps
     # one pass under autograd (no Python loop is recorded) and under a compiler (which fuses
     # it; a loop would unroll); chunks of blocks otherwise
     one_pass = recorded or torch.compiler.is_compiling()
@@ -439,9 +442,9 @@ def _noncausal(
     # values are not subnormal (slower still): a clamped term is at most e^-29 = 2.5e-13 of
     # its row's largest exact term, at a key whose values and ones are 0 (padding) or that the
     # row sees through its features (rows with no exact key drop their exact part, below).
-    # The features at log(smallest normal), as exp_nonpositive does, and the non-feature keys'
-    # set to 0 after the exponential. Under autograd no clamp: its backward costs more than it
-    # saves.
+    # The features at log(smallest normal), as exp_nonpositive does; the non-feature keys'
+    # features are set to 0 after the exponential. Under autograd no clamp: its backward costs
+    # more than it saves, and masked terms are exact zeros.
     tiny = math.log(torch.finfo(dtype).tiny)
     low_e, low_f = (-math.inf, -math.inf) if recorded else (tiny / 3, tiny)
     not_feat = flat(feat_key[:, None, :, None].expand(b_, h_, m_keys, 1).to(dtype)) == 0  # [T C, 1]
@@ -452,7 +455,7 @@ def _noncausal(
         c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
         c_rows = c[..., None].expand(b_, h_, p * c_blk).reshape(-1, 1)  # [T C, 1]
         fq_f = _exp_(lq.sub_(a_f) if own_q else lq - a_f, low_f)  # e^{l_q - a}, at most 1
-        fk_f = lk.sub_(c_rows) if own_k else lk - c_rows  # e^{l_k - c}, at most 1, 0 at non-feature keys:
+        fk_f = lk.sub_(c_rows) if own_k else lk - c_rows  # then e^{l_k - c}, at most 1, 0 at non-feature keys
         if recorded:
             _exp_(fk_f.masked_fill_(not_feat, NEG), low_f)  # (exp saves its result: masked before)
         else:
