@@ -188,3 +188,31 @@ def test_window_short_inputs(benchmark, monkeypatch, causal: bool, path: str, n:
         assert est.last_backend == path
 
     benchmark.pedantic(call, rounds=5, warmup_rounds=1)
+
+
+@pytest.mark.parametrize("n", [2048, 8192, 16384])
+@pytest.mark.parametrize("impl", ["sliding-window", "sdpa"])
+def test_window_minilm_inference(benchmark, impl: str, n: int) -> None:  # type: ignore[no-untyped-def]
+    """The attention a converted MiniLM runs (``sliding-window`` with the documented recipe:
+    window +-24, the [CLS] token global, 78 hedgehog ``exp`` features; 12 heads of width 32,
+    batch 1, no autograd) against fused SDPA on the same inputs, per length: the figures of
+    docs/real_models.rst's speed section (issue #28's goal: at least 3x SDPA at 8K)."""
+    pytest.importorskip("kernelattn_hybrid")
+    from kernelattn_core.convert.speed import RECIPE
+
+    benchmark.group = f"MiniLM attention, no autograd, N={n}"
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 12, n, 32, generator=g) * 0.4 for _ in range(3))
+    if impl == "sdpa":
+
+        def fn() -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, k, v)
+
+    else:
+        est = ka.create("sliding-window", num_heads=12, head_dim=32, **RECIPE).eval()
+
+        def fn() -> torch.Tensor:
+            return est(q, k, v)
+
+    with torch.no_grad():
+        benchmark.pedantic(fn, rounds=3 if n > 8192 else 5, warmup_rounds=1)
