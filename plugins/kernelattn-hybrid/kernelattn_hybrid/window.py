@@ -193,6 +193,7 @@ def _causal(
     """
     from kernelattn_core.toolkit import causal_linear_attention
 
+    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, phi_q, phi_k))
     b_, h_, n, _ = q.shape
     m_keys = k.shape[-2]
     dv = v.shape[-1]
@@ -215,10 +216,10 @@ def _causal(
     if log_space:
         a = fq.detach().amax(-1)  # [B, H, L]
         a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
-        fq = exp_nonpositive(fq - a.unsqueeze(-1))  # (clamped: torch's exp is slow far below 0)
+        fq = _exp_masked(fq - a.unsqueeze(-1), None, recorded)
         lk = _rows(phi_k, length).masked_fill(~feat_key[:, None, :, None], NEG)
         _, c = prefix_stabiliser(lk.detach().amax(-1))  # [B, H, L]: prefix maximum (the first finite value before it)
-        fk = exp_nonpositive(lk - c.unsqueeze(-1), feat_key[:, None, :, None].to(lk.dtype))  # [B, H, L, D], <= 1,
+        fk = _exp_masked(lk - c.unsqueeze(-1), feat_key[:, None, :, None], recorded)  # [B, H, L, D], <= 1,
         # non-feature keys 0
         m_f = a + c[..., delayed]  # [B, H, L]: the feature part's scale, a_i + c_{i - w}
         stab = c[..., delayed].contiguous()  # non-decreasing, finite
@@ -258,8 +259,8 @@ def _causal(
         s_g = s_g.masked_fill(~g_ok, NEG)
         win_max = torch.maximum(win_max, s_g.detach().amax(-1))
     m_e = torch.where(torch.isfinite(win_max), win_max, torch.zeros_like(win_max))  # [B, H, L]
-    # <= 1; exactly 0 off the exact set (the factor: a future key's value must not reach a row)
-    e_loc = exp_nonpositive(s_loc - m_e.unflatten(-1, (nb, c_blk)).unsqueeze(-1), exact_loc[:, None].to(s_loc.dtype))
+    # <= 1; exactly 0 off the exact set (a future key's value must not reach a row)
+    e_loc = _exp_masked(s_loc - m_e.unflatten(-1, (nb, c_blk)).unsqueeze(-1), exact_loc[:, None], recorded)
     den_e = e_loc.sum(-1).flatten(2, 3)  # [B, H, L]
     if g > 0:
         e_g = (s_g - m_e.unsqueeze(-1)).exp()  # [B, H, L, g]
@@ -287,6 +288,27 @@ def _causal(
 
 
 _STATIC: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _exp_masked(x: torch.Tensor, keep: torch.Tensor | None, recorded: bool) -> torch.Tensor:
+    """:math:`e^x` of stabilised arguments (``-inf`` where ``keep`` is False), exactly 0
+    where ``keep`` is False. Without autograd through
+    :func:`~kernelattn_core.engine.chunked.exp_nonpositive` (clamped arguments: torch's exp
+    is several times slower at ``-inf`` and far below 0; ``keep`` as a factor); under
+    autograd a plain ``exp``, whose ``-inf`` gives the zeros (the clamp's backward costs more
+    than the slow path: causal training 1.17x slower with it, 2 threads)."""
+    if recorded:
+        return x.exp()
+    return exp_nonpositive(x, None if keep is None else keep.to(x.dtype))
+
+
+def _exp_keep(x: torch.Tensor, keep: torch.Tensor, recorded: bool) -> torch.Tensor:
+    """``e^x * keep`` for a fresh ``x <= 0`` where ``keep`` is 1 (``keep`` a 0/1 factor): under
+    autograd ``x`` masked with ``-inf`` and a plain exp, in place; without it
+    :func:`~kernelattn_core.engine.chunked.exp_nonpositive` (see :func:`_exp_masked`)."""
+    if recorded:
+        return x.masked_fill_(keep == 0, NEG).exp_()
+    return exp_nonpositive(x, keep)
 
 
 def _static_masks(
@@ -710,7 +732,13 @@ def window_attention_dense(
     with torch.no_grad():
         m_e = s.masked_fill(~exact, NEG).amax(-1, keepdim=True)  # [B, H, N, 1]
         m_e = torch.where(torch.isfinite(m_e), m_e, torch.zeros_like(m_e))
-    e = exp_nonpositive(s - m_e, ex_f)  # <= 1, 0 off the exact set
+    # under autograd, masked terms as -inf and a plain exp: the clamp's backward costs more
+    # than exp's slow path (causal training at N = 128 0.86x, one thread); without, factors
+    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, phi_q, phi_k))
+    if recorded:
+        e = (s - m_e).masked_fill_(~exact, NEG).exp_()  # <= 1, 0 off the exact set
+    else:
+        e = exp_nonpositive(s - m_e, ex_f)
 
     if log_space:
         fk_keep = feat_key.to(dtype).view(-1, 1, m_keys, 1)  # [1 or B, 1, M, 1]
@@ -718,19 +746,19 @@ def window_attention_dense(
             a = phi_q.amax(-1, keepdim=True)  # [B, H, N, 1]
             a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
             key_max = phi_k.masked_fill(fk_keep == 0, NEG).amax(-1)  # [B, H, M], -inf: never a feature key
-        fq = exp_nonpositive(phi_q - a)
+        fq = (phi_q - a).exp_() if recorded else exp_nonpositive(phi_q - a)
         if causal:
             with torch.no_grad():
                 _, c = prefix_stabiliser(key_max)  # [B, H, M]: prefix maximum, finite, non-decreasing
                 c_row = c[..., (torch.arange(n, device=device) - window).clamp(0, m_keys - 1)].unsqueeze(-1)
                 gate = exp_nonpositive(c.unsqueeze(-2) - c_row, fe_f)  # [B, H, N, M]: e^{c_j - c_{i-w}}
-            fk = exp_nonpositive(phi_k - c.unsqueeze(-1), fk_keep)  # [B, H, M, D], <= 1
+            fk = _exp_keep(phi_k - c.unsqueeze(-1), fk_keep, recorded)  # [B, H, M, D], <= 1
             f = (fq @ fk.transpose(-1, -2)) * gate
         else:
             with torch.no_grad():
                 c_row = key_max.amax(-1, keepdim=True).unsqueeze(-1)  # [B, H, 1, 1]
                 c_row = torch.where(torch.isfinite(c_row), c_row, torch.zeros_like(c_row))
-            fk = exp_nonpositive(phi_k - c_row, fk_keep)
+            fk = _exp_keep(phi_k - c_row, fk_keep, recorded)
             f = (fq @ fk.transpose(-1, -2)) * fe_f
         m_f = a + c_row  # [B, H, N, 1]: the feature part's scale
     else:
