@@ -15,13 +15,20 @@ of a query's own block and its neighbours (``b - 1, b, b + 1``) are its *local* 
 there both the logits and the feature scores are formed (``[C, 3C]`` per block) and each
 pair takes the term its set says. Keys of farther blocks are all feature keys; they reach
 the query through per-block sums :math:`S_b = \\sum_{j \\in b} \\phi_k(k_j) v_j^\\top`
-combined by a prefix and a suffix cumulative sum over blocks. Causal: the exact part is
+combined by one ``[nb, nb]`` product with a 0/1 matrix (a prefix and a suffix sum beyond
+1024 blocks). The blocks of all sequences lie end to end in one flat layout, each sequence
+between two zero blocks, so that every block's local keys are a view (``unfold``) that the
+batched products read without a copy; without autograd the per-block work runs in
+cache-sized chunks and the exponentials' arguments are clamped off ``exp``'s slow path
+(:func:`_noncausal`). Causal: the exact part is
 formed on blocks ``b - 1, b`` (``[C, 2C]``), and the feature part, every key with
 :math:`i - j \\ge w`, is the engine's causal recurrence
 (:func:`~kernelattn_core.engine.chunked.causal_linear_attention`, the one every causal
 estimator feeds) over the feature keys delayed by :math:`w` positions. Time
 :math:`O(N C (d + d_v) + N D d_v)`, memory :math:`O(N C + (N / C) D d_v)`; no ``[N, M]``
-tensor.
+tensor. (The non-causal far product adds :math:`O((N / C)^2 D d_v)` up to
+:data:`FAR_MATMUL_BLOCKS` blocks, 32K tokens at ``C = 32``: below that a CPU runs it faster
+than the two linear scans, measured at 256 and 512 blocks; the scans take over beyond.)
 
 **Stabilisers (exact, causal-safe).** For log-space maps
 (:math:`l = \\log \\phi`) the feature score is
