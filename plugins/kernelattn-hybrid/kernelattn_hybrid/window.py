@@ -15,8 +15,8 @@ of a query's own block and its neighbours (``b - 1, b, b + 1``) are its *local* 
 there both the logits and the feature scores are formed (``[C, 3C]`` per block) and each
 pair takes the term its set says. Keys of farther blocks are all feature keys; they reach
 the query through per-block sums :math:`S_b = \\sum_{j \\in b} \\phi_k(k_j) v_j^\\top`
-combined by one ``[nb, nb]`` product with a 0/1 matrix (a prefix and a suffix sum beyond
-1024 blocks). The blocks of all sequences lie end to end in one flat layout, each sequence
+combined by one ``[nb, nb]`` product with a 0/1 matrix (in groups of blocks beyond 1024
+blocks, linear). The blocks of all sequences lie end to end in one flat layout, each sequence
 between two zero blocks, so that every block's local keys are a view (``unfold``) that the
 batched products read without a copy; without autograd the per-block work runs in
 cache-sized chunks and the exponentials' arguments are clamped off ``exp``'s slow path
@@ -27,8 +27,8 @@ formed on blocks ``b - 1, b`` (``[C, 2C]``), and the feature part, every key wit
 estimator feeds) over the feature keys delayed by :math:`w` positions. Time
 :math:`O(N C (d + d_v) + N D d_v)`, memory :math:`O(N C + (N / C) D d_v)`; no ``[N, M]``
 tensor. (The non-causal far product adds :math:`O((N / C)^2 D d_v)` up to
-:data:`FAR_MATMUL_BLOCKS` blocks, 32K tokens at ``C = 32``: below that a CPU runs it faster
-than the two linear scans, measured at 256 and 512 blocks; the scans take over beyond.)
+:data:`FAR_MATMUL_BLOCKS` blocks, 32K tokens at ``C = 32``, where a CPU runs it about as fast
+as the linear grouped sums or faster; they take over beyond.)
 
 **Stabilisers (exact, causal-safe).** For log-space maps
 (:math:`l = \\log \\phi`) the feature score is
@@ -366,9 +366,16 @@ def _flat_blocks(x: torch.Tensor, nb: int, block: int, ones: bool = False) -> to
 
 
 #: up to this many blocks per sequence the non-causal far sums are one ``[nb, nb]`` product
-#: (quadratic in the blocks, but one pass: 2.7x faster than the scan at 256 blocks, 1.9x at
-#: 512, 2 threads); longer inputs scan
+#: (quadratic in the blocks, but one pass). Measured 2026-11-26, 2 threads, MiniLM heads, the
+#: whole call with the product over the call with the grouped sums of
+#: :func:`_far_sums_grouped`: 4K training 0.86x, 8K inference 0.86x, 16K (514 blocks)
+#: 0.92-1.09x in two runs (inference) and 1.09x (training): no clear winner there. Longer
+#: inputs take the grouped sums (linear; at 32K 0.82x the prefix and suffix scans they
+#: replace)
 FAR_MATMUL_BLOCKS = 1024
+
+#: blocks per group of :func:`_far_sums_grouped`
+FAR_GROUP = 16
 
 
 def _far_of(nb: int, like: torch.Tensor) -> torch.Tensor:
@@ -382,16 +389,52 @@ def _far_sums(s_blk: torch.Tensor) -> torch.Tensor:
     away from each block, :math:`F_b = \\sum_{|b' - b| \\ge 2} S_{b'}`, ``[R, nb, D, e]``.
 
     Up to :data:`FAR_MATMUL_BLOCKS` blocks one ``[nb, nb]`` product with a 0/1 matrix; beyond,
-    a prefix sum from each end (the suffix by a flip, not as total minus prefix: both are
-    sums of the blocks' own terms, so a small far sum is never the difference of two large
-    ones)."""
+    in groups of blocks (:func:`_far_sums_grouped`). Every :math:`F_b` is a sum of the
+    blocks' own terms, never total minus the near blocks: a small far sum beside a large
+    block is never the difference of two large numbers."""
     nb = s_blk.shape[1]
     if nb <= FAR_MATMUL_BLOCKS:
         return (_far_of(nb, s_blk) @ s_blk.flatten(-2)).view(s_blk.shape)
-    pre = s_blk.cumsum(1)  # inclusive prefix
-    suf = s_blk.flip(1).cumsum(1).flip(1)  # inclusive suffix
-    zero = torch.zeros_like(s_blk[:, :2])
-    return torch.cat([zero, pre[:, :-2]], 1) + torch.cat([suf[:, 2:], zero], 1)
+    return _far_sums_grouped(s_blk)
+
+
+def _far_sums_grouped(s_blk: torch.Tensor) -> torch.Tensor:
+    """:func:`_far_sums` beyond :data:`FAR_MATMUL_BLOCKS` blocks: linear in ``nb``, and
+    again without differences.
+
+    Blocks in groups of :data:`FAR_GROUP` = ``G``: one product with a ``[G + 3, G]`` 0/1
+    matrix gives, per group, the far sums inside the group and three group sums (all blocks,
+    all but the last, all but the first); block ``i`` of group ``B`` then adds the groups two
+    or more away (a prefix and a suffix sum over the groups, a ``G``-th of the data), group
+    ``B - 1`` (without its last block when ``i = 0``) and group ``B + 1`` (without its first
+    block when ``i = G - 1``)."""
+    r, nb = s_blk.shape[:2]
+    g = FAR_GROUP
+    ns = -(-nb // g)
+    s = s_blk.reshape(r, nb, -1)
+    s = F.pad(s, (0, 0, 0, ns * g - nb)).view(r, ns, g, -1)  # [R, groups, G, K], zero blocks at the end
+    y = _group_weights(g, s) @ s  # [R, groups, G + 3, K]
+    within, total, but_last, but_first = y[:, :, :g], y[:, :, g], y[:, :, g + 1], y[:, :, g + 2]
+    zero = torch.zeros_like(total[:, :1])
+    before = torch.cat([zero, zero, total[:, :-2].cumsum(1)], 1)[:, :ns]  # groups <= B - 2
+    after = torch.cat([total[:, 2:].flip(1).cumsum(1).flip(1), zero, zero], 1)[:, -ns:]  # groups >= B + 2
+    far_groups = before + after
+    prev, prev_but_last = (torch.cat([zero, x[:, :-1]], 1) for x in (total, but_last))  # group B - 1
+    nxt, nxt_but_first = (torch.cat([x[:, 1:], zero], 1) for x in (total, but_first))  # group B + 1
+    first = far_groups + prev_but_last + nxt  # block 0 of each group
+    mid = far_groups + prev + nxt
+    last = far_groups + prev + nxt_but_first  # block G - 1
+    add = torch.cat([first[:, :, None], mid[:, :, None].expand(r, ns, g - 2, -1), last[:, :, None]], 2)
+    return (within + add).reshape(r, ns * g, -1)[:, :nb].reshape(s_blk.shape)
+
+
+def _group_weights(g: int, like: torch.Tensor) -> torch.Tensor:
+    """``[G + 3, G]`` 0/1: rows ``i < G`` pick the blocks of a group two or more from block
+    ``i``; then all blocks, all but the last, all but the first."""
+    idx = torch.arange(g, device=like.device)
+    far = (idx[:, None] - idx[None, :]).abs() >= 2
+    ones = torch.ones(1, g, dtype=torch.bool, device=like.device)
+    return torch.cat([far, ones, idx[None] < g - 1, idx[None] > 0]).to(like.dtype)
 
 
 #: without autograd, the non-causal local part runs over chunks of blocks whose temporaries
@@ -522,7 +565,7 @@ def _noncausal(
         blocks = (b_ * h_, p, c_blk)
         s_blk = fk_f.view(*blocks, -1).transpose(-1, -2) @ v1_f.view(*blocks, dv + 1)  # [BH, P, D, dv + 1]
         if one_pass or p > FAR_MATMUL_BLOCKS:
-            blk.far = _far_sums(s_blk).view(t_blk, -1, dv + 1)[inner]  # [T - 2, D, dv + 1]
+            blk.far = _far_sums(s_blk).reshape(t_blk, -1, dv + 1)[inner]  # [T - 2, D, dv + 1]
         else:  # formed chunk by chunk (_far_rows): no [T, D, dv + 1] tensor
             blk.s_blk, blk.far_of = s_blk.flatten(-2), _far_of(p, s_blk)
     if g > 0:  # the global keys of every block's sequence, with a column of ones, and their bias

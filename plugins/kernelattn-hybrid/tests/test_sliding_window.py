@@ -476,19 +476,20 @@ def test_rows_without_an_exact_key_ignore_the_clamped_exact_terms_without_autogr
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("far", ["product", "groups"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_noncausal_far_sums_by_product_and_by_scan_agree_with_naive(monkeypatch, padded):
-    """Up to FAR_MATMUL_BLOCKS blocks the far sums are one [nb, nb] product, beyond it a
-    prefix and a suffix scan: both paths are the naive result (outputs and gradients),
-    with the block as long as the window and longer."""
-    from kernelattn_hybrid import window as win
-
+def test_noncausal_far_sums_agree_with_naive(monkeypatch, padded, far):
+    """Up to FAR_MATMUL_BLOCKS blocks the far sums are one [nb, nb] product, beyond in groups
+    of FAR_GROUP blocks: with groups of 3, 4 and 16 (the default), blocks of 3 and 5
+    positions (14 and 8 blocks: partial last groups), the blocked kernel is the naive
+    result, outputs and gradients, either way."""
+    monkeypatch.setattr(win, "FAR_MATMUL_BLOCKS", 64 if far == "product" else 0)
     q, k, v, pq, pk = (t[:, :1].clone().requires_grad_() for t in _problem(40, 40, seed=11))
     kw = dict(log_space=True, window=3, global_tokens=1, causal=False, key_padding_mask=_mask(40) if padded else None)
     ref = window_attention_naive(q, k, v, pq, pk, **kw)
     g_ref = torch.autograd.grad(ref.square().sum(), (q, k, v, pq, pk))
-    for blocks in (64, 0):  # 0: every input takes the scan
-        monkeypatch.setattr(win, "FAR_MATMUL_BLOCKS", blocks)
+    for group in (3, 4, 16):
+        monkeypatch.setattr(win, "FAR_GROUP", group)
         for block in (3, 5):
             out = window_attention_blocked(q, k, v, pq, pk, block_size=block, **kw)
             torch.testing.assert_close(out, ref, rtol=1e-11, atol=1e-12)
@@ -571,23 +572,26 @@ def test_estimator_without_autograd_equals_with_it(padded):
     torch.testing.assert_close(out, ref.detach(), rtol=1e-12, atol=1e-13)
 
 
-@pytest.mark.parametrize("scan", [False, True])
-def test_far_sums_keep_a_small_sum_beside_a_huge_block(monkeypatch, scan):
-    """Far sums add the blocks' own terms, so the sum beside a block 1e12 times larger is
-    exact in float32 (computed as the total minus a prefix it would be lost: the negative
-    control shows the subtraction gives a relative error of order 1)."""
-    monkeypatch.setattr(win, "FAR_MATMUL_BLOCKS", 0 if scan else 64)
-    nb = 9
-    s_blk = torch.rand(1, nb, 2, 3, generator=torch.Generator().manual_seed(5)) + 0.5  # float32
-    s_blk[0, 0] *= 1e12
+@pytest.mark.parametrize("group", [None, 3, 4, 16])  # None: the [nb, nb] product
+@pytest.mark.parametrize("nb", [3, 7, 16, 17, 50])
+def test_far_sums_are_sums_of_the_far_blocks_even_beside_a_huge_one(monkeypatch, group, nb):
+    """Far sums (the product, and in groups) against the brute-force sum over the blocks two
+    or more away, with block 1 1e12 times larger than the others: no far sum is a
+    difference, so the small ones stay exact in float32 (negative control: total minus the
+    near blocks, as a difference, loses them)."""
+    monkeypatch.setattr(win, "FAR_MATMUL_BLOCKS", 1024 if group is None else 0)
+    if group is not None:
+        monkeypatch.setattr(win, "FAR_GROUP", group)
+    s_blk = torch.rand(2, nb, 2, 3, generator=torch.Generator().manual_seed(nb)) + 0.5  # float32
+    s_blk[:, 1] *= 1e12
     far = win._far_sums(s_blk)
     brute = torch.stack([s_blk[:, [j for j in range(nb) if abs(j - b) >= 2]].double().sum(1) for b in range(nb)], 1)
     torch.testing.assert_close(far.double(), brute, rtol=1e-6, atol=0)
-    # negative control: the right part of block 1's far sum (blocks 3..8) as total - prefix(0..2)
-    pre = s_blk.cumsum(1)
-    right_of_1 = pre[:, -1] - pre[:, 2]
-    rel = ((right_of_1.double() - s_blk[:, 3:].double().sum(1)).abs() / s_blk[:, 3:].double().sum(1)).max()
-    assert float(rel) > 0.05
+    if nb >= 5:  # block 3 sees block 0 and blocks 5.. only, all small
+        near = s_blk.sum(1) - s_blk[:, 2:5].sum(1)  # total minus blocks 2..4 still holds block 1's 1e12
+        diff = near - s_blk[:, 1]
+        rel = ((diff.double() - brute[:, 3]).abs() / brute[:, 3]).max()
+        assert float(rel) > 0.05
 
 
 # ---------------------------------------------------------------------- decoding state
