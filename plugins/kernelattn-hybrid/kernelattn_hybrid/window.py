@@ -226,8 +226,8 @@ def _causal(
         fq = _exp_masked(fq - a.unsqueeze(-1), None, recorded)
         lk = _rows(phi_k, length).masked_fill(~feat_key[:, None, :, None], NEG)
         _, c = prefix_stabiliser(lk.detach().amax(-1))  # [B, H, L]: prefix maximum (the first finite value before it)
-        fk = _exp_masked(lk - c.unsqueeze(-1), feat_key[:, None, :, None], recorded)  # [B, H, L, D], <= 1,
-        # non-feature keys 0
+        fk = _exp_masked(lk - c.unsqueeze(-1), feat_key[:, None, :, None], recorded, masked=True)  # [B, H, L, D],
+        # <= 1, non-feature keys 0
         m_f = a + c[..., delayed]  # [B, H, L]: the feature part's scale, a_i + c_{i - w}
         stab = c[..., delayed].contiguous()  # non-decreasing, finite
     else:
@@ -267,7 +267,7 @@ def _causal(
         win_max = torch.maximum(win_max, s_g.detach().amax(-1))
     m_e = torch.where(torch.isfinite(win_max), win_max, torch.zeros_like(win_max))  # [B, H, L]
     # <= 1; exactly 0 off the exact set (a future key's value must not reach a row)
-    e_loc = _exp_masked(s_loc - m_e.unflatten(-1, (nb, c_blk)).unsqueeze(-1), exact_loc[:, None], recorded)
+    e_loc = _exp_masked(s_loc - m_e.unflatten(-1, (nb, c_blk)).unsqueeze(-1), exact_loc[:, None], recorded, masked=True)
     den_e = e_loc.sum(-1).flatten(2, 3)  # [B, H, L]
     if g > 0:
         e_g = (s_g - m_e.unsqueeze(-1)).exp()  # [B, H, L, g]
@@ -297,25 +297,18 @@ def _causal(
 _STATIC: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _exp_masked(x: torch.Tensor, keep: torch.Tensor | None, recorded: bool) -> torch.Tensor:
-    """:math:`e^x` of stabilised arguments (``-inf`` where ``keep`` is False), exactly 0
-    where ``keep`` is False. Without autograd through
-    :func:`~kernelattn_core.engine.chunked.exp_nonpositive` (clamped arguments: torch's exp
-    is several times slower at ``-inf`` and far below 0; ``keep`` as a factor); under
-    autograd a plain ``exp``, whose ``-inf`` gives the zeros (the clamp's backward costs more
-    than the slow path: causal training 1.17x slower with it, 2 threads)."""
+def _exp_masked(x: torch.Tensor, keep: torch.Tensor | None, recorded: bool, masked: bool = False) -> torch.Tensor:
+    """:math:`e^x` of fresh stabilised arguments ``x`` (:math:`\\le 0` where kept), exactly 0
+    where ``keep`` (a boolean or 0/1 mask; ``None``: everywhere kept) is False or 0. Under
+    autograd ``x`` masked with ``-inf`` and a plain ``exp``, in place (the clamp of
+    :func:`~kernelattn_core.engine.chunked.exp_nonpositive` has a backward that costs more
+    than exp's slow path at ``-inf``: causal blocked training 1.17x slower with it, dense
+    0.85x without it, 2 threads); without autograd ``exp_nonpositive`` (clamped arguments,
+    ``keep`` as a factor: torch's exp is several times slower at ``-inf`` and far below 0).
+    ``masked``: ``x`` already holds ``-inf`` where ``keep`` is False (no second mask)."""
     if recorded:
-        return x.exp()
+        return (x if keep is None or masked else x.masked_fill_(keep == 0, NEG)).exp_()
     return exp_nonpositive(x, None if keep is None else keep.to(x.dtype))
-
-
-def _exp_keep(x: torch.Tensor, keep: torch.Tensor, recorded: bool) -> torch.Tensor:
-    """``e^x * keep`` for a fresh ``x <= 0`` where ``keep`` is 1 (``keep`` a 0/1 factor): under
-    autograd ``x`` masked with ``-inf`` and a plain exp, in place; without it
-    :func:`~kernelattn_core.engine.chunked.exp_nonpositive` (see :func:`_exp_masked`)."""
-    if recorded:
-        return x.masked_fill_(keep == 0, NEG).exp_()
-    return exp_nonpositive(x, keep)
 
 
 def _static_masks(
@@ -774,21 +767,17 @@ def window_attention_dense(
         valid = ~key_padding_mask[:, None, None, :]  # [B, 1, 1, M]
         exact, feat = exact & valid, feat & valid  # [B, 1, N, M]
         feat_key = feat_key & valid[:, 0, 0]  # [B, M]
-    # masks as factors: every exponential below is of a clamped argument (exp_nonpositive),
-    # and q, k, v and the features are finite here, so a factor 0 is an exact 0
-    ex_f, fe_f = exact.to(dtype), feat.to(dtype)
+    # masks as factors (the gate; the exponentials without autograd, _exp_masked): those
+    # arguments are clamped, and q, k, v and the features are finite here, so a factor 0 is
+    # an exact 0
+    fe_f = feat.to(dtype)
 
     s = q @ k.transpose(-1, -2)  # [B, H, N, M]
     with torch.no_grad():
         m_e = s.masked_fill(~exact, NEG).amax(-1, keepdim=True)  # [B, H, N, 1]
         m_e = torch.where(torch.isfinite(m_e), m_e, torch.zeros_like(m_e))
-    # under autograd, masked terms as -inf and a plain exp: the clamp's backward costs more
-    # than exp's slow path (causal training at N = 128 0.86x, one thread); without, factors
     recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, phi_q, phi_k))
-    if recorded:
-        e = (s - m_e).masked_fill_(~exact, NEG).exp_()  # <= 1, 0 off the exact set
-    else:
-        e = exp_nonpositive(s - m_e, ex_f)
+    e = _exp_masked(s - m_e, exact, recorded)  # <= 1, 0 off the exact set
 
     if log_space:
         fk_keep = feat_key.to(dtype).view(-1, 1, m_keys, 1)  # [1 or B, 1, M, 1]
@@ -796,19 +785,19 @@ def window_attention_dense(
             a = phi_q.amax(-1, keepdim=True)  # [B, H, N, 1]
             a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
             key_max = phi_k.masked_fill(fk_keep == 0, NEG).amax(-1)  # [B, H, M], -inf: never a feature key
-        fq = (phi_q - a).exp_() if recorded else exp_nonpositive(phi_q - a)
+        fq = _exp_masked(phi_q - a, None, recorded)
         if causal:
             with torch.no_grad():
                 _, c = prefix_stabiliser(key_max)  # [B, H, M]: prefix maximum, finite, non-decreasing
                 c_row = c[..., (torch.arange(n, device=device) - window).clamp(0, m_keys - 1)].unsqueeze(-1)
                 gate = exp_nonpositive(c.unsqueeze(-2) - c_row, fe_f)  # [B, H, N, M]: e^{c_j - c_{i-w}}
-            fk = _exp_keep(phi_k - c.unsqueeze(-1), fk_keep, recorded)  # [B, H, M, D], <= 1
+            fk = _exp_masked(phi_k - c.unsqueeze(-1), fk_keep, recorded)  # [B, H, M, D], <= 1
             f = (fq @ fk.transpose(-1, -2)) * gate
         else:
             with torch.no_grad():
                 c_row = key_max.amax(-1, keepdim=True).unsqueeze(-1)  # [B, H, 1, 1]
                 c_row = torch.where(torch.isfinite(c_row), c_row, torch.zeros_like(c_row))
-            fk = _exp_keep(phi_k - c_row, fk_keep, recorded)
+            fk = _exp_masked(phi_k - c_row, fk_keep, recorded)
             f = (fq @ fk.transpose(-1, -2)) * fe_f
         m_f = a + c_row  # [B, H, N, 1]: the feature part's scale
     else:
