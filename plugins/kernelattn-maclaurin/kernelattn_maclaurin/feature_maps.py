@@ -28,6 +28,7 @@ from kernelattn_core.toolkit import (
 )
 
 from . import claims as _claims
+from .fast import degree_products
 from .kernels import MaclaurinKernel, resolve_kernel
 from .sampling import DegreeDistribution
 from .variance import max_pair_values, rmf_variance, warn_infinite_variance
@@ -167,11 +168,13 @@ class RandomMaclaurinFeatures(FeatureMap):
       constant contributes about :math:`a_0^2 (p - 1)` to the per-feature variance of
       the paper form), unbiased for the degree-20 truncation.
 
-    **Fast path.** Features are stored sorted by degree. One matrix product
-    ``x @ omega.T`` gives every projection (``[..., S]`` with :math:`S = \\sum_i N_i`);
-    each group of features of degree :math:`n` is one block ``[..., n, c_n]`` whose
-    product over the :math:`n` factors is a single reduction. The Python loop runs
-    over distinct degrees (about :math:`\\log_p D` of them), never over features.
+    **Fast path** (:func:`~kernelattn_maclaurin.fast.degree_products`). Features are
+    stored sorted by degree. One matrix product gives every projection, transposed
+    (``[S, M]`` for ``M`` rows, :math:`S = \\sum_i N_i`), so each group of features of
+    degree :math:`n` is one contiguous block ``[n, c_n, M]`` and its product over the
+    :math:`n` factors a few contiguous passes; the backward pass is written by hand
+    (co-products from prefix and suffix products). The Python loop runs over distinct
+    degrees (about :math:`\\log_p D` of them), never over features.
     :func:`kernelattn_maclaurin.naive.rmf_features_naive` is the per-feature reference.
 
     **Checks.** :meth:`prepare` (called by attention) and :meth:`kernel_estimate`
@@ -398,20 +401,7 @@ class RandomMaclaurinFeatures(FeatureMap):
     def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
         omega = self.omega.to(dtype=x.dtype, device=x.device)
         weights = self.weights.to(dtype=x.dtype, device=x.device)
-        proj = x @ omega.transpose(0, 1)  # [..., S]
-        groups = self.groups()
-        # one split (a single autograd node: its backward writes one gradient of proj) rather
-        # than a slice per degree, each of whose backward passes would fill a zero [..., S]
-        blocks = iter(torch.split(proj, [n * c for n, c in groups if n > 0], dim=-1))
-        parts = []
-        if self.mode == "released":
-            parts.append(torch.ones_like(x[..., :1]))  # [..., 1] the constant feature
-        for n, c in groups:
-            if n == 0:
-                parts.append(torch.ones_like(x[..., :1]).expand(*x.shape[:-1], c))  # [..., c]
-                continue
-            parts.append(next(blocks).unflatten(-1, (n, c)).prod(-2))  # [..., n, c] -> [..., c]
-        return torch.cat(parts, dim=-1) * weights  # [..., D]
+        return degree_products(x, omega, weights, tuple(self.groups()), self.mode == "released")  # [..., D]
 
     # ------------------------------------------------------------------ checks and diagnostics
     def prepare(

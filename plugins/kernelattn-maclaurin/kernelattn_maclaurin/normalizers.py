@@ -11,6 +11,7 @@ from kernelattn_core import Normalizer
 from kernelattn_core.toolkit import InputError
 
 from .claims import OPTION_CLAIMS
+from .fast import signed_power, unit_rows
 
 STATS = ("token", "batch")
 #: post-scaling forms: Algorithm 1's gamma * a^beta, the §3.2 operator (gamma a)^beta, gamma * a
@@ -142,31 +143,35 @@ class PPSBN(Normalizer):
         self.beta = nn.Parameter(torch.ones(shape)) if self.power else None
 
     # ------------------------------------------------------------------ pre-scaling
-    def standardize(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-        """Steps 1-2 of Algorithm 1 on ``x [B, H, N, d]``: unit rows (before :math:`s`).
+    def standardize(self, x: torch.Tensor, keep: torch.Tensor | None = None, *, scale: float = 1.0) -> torch.Tensor:
+        """Steps 1-2 of Algorithm 1 on ``x [B, H, N, d]``: unit rows, times ``scale``.
 
         ``keep [B, 1, N, 1]`` (bool) selects the rows that enter batch statistics.
         Half inputs are standardised in float32 (``bn_eps = 1e-12`` underflows float16,
         and a constant row, always the case at ``d = 1``, would give 0/0); the result
-        is cast back. A constant row gives the zero row in every dtype.
+        is cast back. A constant row gives the zero row in every dtype, with a zero
+        gradient. With token statistics :math:`\\varepsilon` cancels (see the class
+        docstring), so the rows are :math:`(x - \\bar x)/\\lVert x - \\bar x\\rVert`, formed in one
+        autograd node (:func:`~kernelattn_maclaurin.fast.unit_rows`; its composed form
+        and the row-by-row :func:`~kernelattn_maclaurin.naive.pre_sbn_naive` are the
+        references).
         """
         if x.dtype in (torch.float16, torch.bfloat16):
-            return self.standardize(x.float(), keep).to(x.dtype)
+            return self.standardize(x.float(), keep, scale=scale).to(x.dtype)
         if self.stats == "token":
-            mean = x.mean(-1, keepdim=True)
-            var = ((x - mean) ** 2).mean(-1, keepdim=True)  # biased
-        else:
-            w = torch.ones_like(x[..., :1]) if keep is None else keep.to(x.dtype).expand_as(x[..., :1])  # [B,H,N,1]
-            count = w.sum(dim=(0, 2), keepdim=True).clamp_min(1.0)  # [1, H, 1, 1]
-            mean = (x * w).sum(dim=(0, 2), keepdim=True) / count  # [1, H, 1, d]
-            var = (((x - mean) ** 2) * w).sum(dim=(0, 2), keepdim=True) / count
+            return unit_rows(x, scale)
+        w = torch.ones_like(x[..., :1]) if keep is None else keep.to(x.dtype).expand_as(x[..., :1])  # [B,H,N,1]
+        count = w.sum(dim=(0, 2), keepdim=True).clamp_min(1.0)  # [1, H, 1, 1]
+        mean = (x * w).sum(dim=(0, 2), keepdim=True) / count  # [1, H, 1, d]
+        var = (((x - mean) ** 2) * w).sum(dim=(0, 2), keepdim=True) / count
         root = torch.sqrt(var + self.bn_eps)
         xs = (x - mean) / torch.where(root > 0, root, torch.ones_like(root))  # 0/0 (bn_eps = 0): the zero row
         norm = xs.norm(dim=-1, keepdim=True)
         zero = norm == 0  # a constant row: its output is the zero row, with zero gradient
         # (dividing by a clamped norm instead sent g / tiny through 1 / root in the
         # backward: inf - inf = NaN at a constant bfloat16 row, d = 2)
-        return torch.where(zero, torch.zeros_like(xs), xs / torch.where(zero, torch.ones_like(norm), norm))
+        rows = torch.where(zero, torch.zeros_like(xs), xs / torch.where(zero, torch.ones_like(norm), norm))
+        return rows if scale == 1.0 else rows * scale
 
     def pre(
         self,
@@ -194,7 +199,7 @@ class PPSBN(Normalizer):
         keep = None
         if self.stats == "batch" and key_padding_mask is not None:
             keep = ~key_padding_mask[:, None, :, None]  # [B, 1, M, 1]
-        return self.standardize(q) * s, self.standardize(k, keep) * s
+        return self.standardize(q, scale=s), self.standardize(k, keep, scale=s)
 
     # ------------------------------------------------------------------ post-scaling
     def post(self, out: torch.Tensor) -> torch.Tensor:
@@ -208,17 +213,11 @@ class PPSBN(Normalizer):
             return gamma * out
         beta = self.beta.to(out.dtype)
         if self.post_form == "pow_gamma":
-            return _signed_power(gamma * out, beta)  # (gamma a)^beta, §3.2
-        return gamma * _signed_power(out, beta)  # gamma * a^beta, Algorithm 1
+            return signed_power(gamma * out, beta, torch.ones((), dtype=out.dtype, device=out.device))  # (gamma a)^beta
+        return signed_power(out, beta, gamma)  # gamma * a^beta, Algorithm 1
 
     def extra_repr(self) -> str:
         return (
             f"eps={self.eps}, bn_eps={self.bn_eps}, stats={self.stats!r}, post_form={self.post_form!r}, "
             f"channels={self.channels}, row_scale={self.row_scale}"
         )
-
-
-def _signed_power(x: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-    """:math:`\\mathrm{sign}(x)|x|^\\beta`, with :math:`|x|` clamped at the smallest normal
-    number inside the power (finite :math:`\\partial/\\partial\\beta \\propto \\log|x|` at 0)."""
-    return torch.sign(x) * torch.exp(beta * x.abs().clamp_min(torch.finfo(x.dtype).tiny).log())
