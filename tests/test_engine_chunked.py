@@ -242,3 +242,40 @@ def test_training_memory_and_work_are_linear_in_sequence_length() -> None:
     # gradients of the inputs, key features and their gradient, values with the ones
     # column, outputs: a few times 2 heads * (2 D + dv) floats per token
     assert per_token < 12 * 2 * (2 * 32 + 16 + 1) * 4
+
+
+@pytest.mark.parametrize("n", [11, 16])
+def test_forward_tape_gives_the_recomputed_gradients_bit_for_bit(small_groups: None, n: int) -> None:
+    """``causal_linear_attention_forward(tape=[])`` keeps each group's blocks (states,
+    gate, gated products); the backward pass then reuses them. Same gradients bit for bit,
+    over several groups, with a moving stabiliser and padding to the chunk."""
+    lq, lk, v = _features(True, n=n)
+    m = lk.amax(-1).cummax(-1).values  # a non-decreasing stabiliser
+    fk = (lk - m.unsqueeze(-1)).exp()
+    v1 = torch.cat([v, torch.ones_like(v[..., :1])], -1)
+    s0 = torch.zeros(2, 2, lq.shape[-1], 4, dtype=torch.float64)
+    m0 = torch.full((2, 2, 1), -1e30, dtype=torch.float64)
+    fq = (lq - lq.amax(-1, keepdim=True)).exp()
+    o_bar = torch.randn(2, 2, n, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    tape: list = []
+    out_t, s_t = chunked.causal_linear_attention_forward(fq, fk, v1, s0, m, m0, 3, tape=tape)
+    out, s_final = chunked.causal_linear_attention_forward(fq, fk, v1, s0, m, m0, 3)
+    assert len(tape) == len(chunked._groups(n + (-n % 3), 3)) > 1
+    assert torch.equal(out_t, out) and torch.equal(s_t, s_final)
+    with_tape = chunked.causal_linear_attention_backward(fq, fk, v1, s0, m, m0, 3, o_bar, None, tape=tape)
+    without = chunked.causal_linear_attention_backward(fq, fk, v1, s0, m, m0, 3, o_bar, None)
+    for a, b in zip(with_tape, without):
+        assert torch.equal(a, b)
+    # negative control: the backward reads the tape (a changed product changes a gradient)
+    tape[-1].a.mul_(2.0)
+    changed = chunked.causal_linear_attention_backward(fq, fk, v1, s0, m, m0, 3, o_bar, None, tape=tape)
+    assert not torch.equal(changed[2], without[2])
+
+
+def test_forward_tape_refuses_a_decay_and_a_foreign_tape() -> None:
+    fq, fk, v = _features(False)
+    s0 = torch.zeros(2, 2, 5, 3, dtype=torch.float64)
+    with pytest.raises(chunked.InputError, match="tape"):
+        chunked.causal_linear_attention_forward(fq, fk, v, s0, None, None, 4, torch.zeros(2, 2, 11), tape=[])
+    with pytest.raises(chunked.InputError, match="tape: expected the 1 blocks"):
+        chunked.causal_linear_attention_backward(fq, fk, v, s0, None, None, 4, torch.ones_like(v), None, tape=[1, 2])

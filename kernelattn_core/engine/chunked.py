@@ -82,7 +82,8 @@ Its gradient needs no new recurrence: every :math:`\\Lambda_t` enters as
 
 (a reversed cumulative sum; :math:`o_t` is recomputed from the recomputed states).
 
-The states :math:`S_c` are recomputed in the backward pass rather than stored, so
+The states :math:`S_c` are recomputed in the backward pass rather than stored (unless a
+caller of :func:`causal_linear_attention_forward` keeps a ``tape`` for a short call), so
 training keeps only the inputs: :math:`O(N(D + d_v))` memory plus
 :math:`O(N C + n_c D d_v)` transient work space.
 """
@@ -231,6 +232,7 @@ class _Block:
         self.vc = v.view(b, h, n_c, chunk, dv)
         self.tri = tri
         self.gate = None if mc is None else _Gate(mc, tri, self.decayed)
+        self.a: torch.Tensor | None = None  # the gated products, when a tape holds the block
         vr = self.vc if self.r is None else self.vc * self.r.unsqueeze(-1)  # keys restated at chunk end
         self.states, self.s_out = _scan(self.kc.transpose(-1, -2) @ vr, self.decay, s_in)
 
@@ -238,8 +240,11 @@ class _Block:
         """``x [.., C, C]`` times the gate (or the causal mask), in place."""
         return x.masked_fill_(~self.tri, 0.0) if self.gate is None else self.gate.apply_(x, self.tri)
 
-    def forward(self) -> torch.Tensor:
+    def forward(self, keep: bool = False) -> torch.Tensor:
+        """The group's rows; ``keep``: hold the gated ``[.., C, C]`` products for
+        :meth:`backward` (a tape), which then does not recompute them."""
         a = self.masked(self.qc @ self.kc.transpose(-1, -2))  # [B, H, n_c, C, C]
+        self.a = a if keep else None
         inter = self.qc @ self.states  # [B, H, n_c, C, dv]
         if self.p is not None:
             inter.mul_(self.p.unsqueeze(-1))
@@ -248,7 +253,7 @@ class _Block:
     def backward(self, o_bar: torch.Tensor, g_out: torch.Tensor):  # type: ignore[no-untyped-def]
         qc, kc, vc, p, r = self.qc, self.kc, self.vc, self.p, self.r
         oc = o_bar.reshape(vc.shape)
-        a = self.masked(qc @ kc.transpose(-1, -2))
+        a = self.a if self.a is not None else self.masked(qc @ kc.transpose(-1, -2))
         pm = self.masked(oc @ vc.transpose(-1, -2))  # [B, H, n_c, C, C]
         q_inter = oc @ self.states.transpose(-1, -2)  # [B, H, n_c, C, D]
         if p is not None:
@@ -315,8 +320,9 @@ def _tri(chunk: int, device: torch.device) -> torch.Tensor:
     return torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril()
 
 
-def _core_forward(q, k, v, s0, m, m0, ld, chunk):  # type: ignore[no-untyped-def]
-    """Output, final state and the state entering each group (inputs padded to ``chunk``)."""
+def _core_forward(q, k, v, s0, m, m0, ld, chunk, tape=None):  # type: ignore[no-untyped-def]
+    """Output, final state and the state entering each group (inputs padded to ``chunk``);
+    ``tape`` (a list): the groups' blocks are appended to it, their gated products kept."""
     b, h, n, _ = q.shape
     tri = _tri(chunk, q.device)
     out = q.new_empty(b, h, n, v.shape[-1])  # every group writes its rows
@@ -324,15 +330,18 @@ def _core_forward(q, k, v, s0, m, m0, ld, chunk):  # type: ignore[no-untyped-def
     for g0, g1 in _groups(n, chunk):  # groups bound the work space; no autograd records this loop
         s_in.append(cur)
         blk = _block(q, k, v, cur, m, m0, ld, g0, g1, chunk, tri)
-        out[:, :, g0:g1] = blk.forward().view(b, h, g1 - g0, -1)
+        out[:, :, g0:g1] = blk.forward(keep=tape is not None).view(b, h, g1 - g0, -1)
         cur = blk.s_out
-        del blk  # free this group's work space before the next one
+        if tape is not None:
+            tape.append(blk)
+        del blk  # free this group's work space before the next one (unless a tape holds it)
     return out, cur, s_in
 
 
-def _core_backward(q, k, v, m, m0, ld, s_in, chunk, o_bar, s_bar, out=None):  # type: ignore[no-untyped-def]
+def _core_backward(q, k, v, m, m0, ld, s_in, chunk, o_bar, s_bar, out=None, tape=None):  # type: ignore[no-untyped-def]
     """Gradients of ``q, k, v``, of the initial state and of ``ld`` (``None`` without a
-    decay, which needs the forward pass's ``out``; inputs padded to ``chunk``)."""
+    decay, which needs the forward pass's ``out``; inputs padded to ``chunk``). ``tape``:
+    the blocks :func:`_core_forward` kept, used instead of being rebuilt."""
     b, h, n, d_feat = q.shape
     tri = _tri(chunk, q.device)
     groups = _groups(n, chunk)
@@ -342,7 +351,7 @@ def _core_backward(q, k, v, m, m0, ld, s_in, chunk, o_bar, s_bar, out=None):  # 
     g_out = torch.zeros_like(s_in[0]) if s_bar is None else s_bar
     for i in range(len(groups) - 1, -1, -1):  # last group first: G runs backwards
         g0, g1 = groups[i]
-        blk = _block(q, k, v, s_in[i], m, m0, ld, g0, g1, chunk, tri)
+        blk = tape[i] if tape is not None else _block(q, k, v, s_in[i], m, m0, ld, g0, g1, chunk, tri)
         if big_bar is not None and s_bar is not None and i == len(groups) - 1:
             end_term = (blk.s_out * s_bar).sum((-2, -1))  # <S_final, S_bar>: through Lambda_end
         ob = _rows(o_bar, g0, g1)
@@ -363,8 +372,8 @@ def _core_backward(q, k, v, m, m0, ld, s_in, chunk, o_bar, s_bar, out=None):  # 
 
 class _CausalLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, s0, m, m0, ld, chunk):  # type: ignore[no-untyped-def, override]
-        out, cur, s_in = _core_forward(q, k, v, s0, m, m0, ld, chunk)
+    def forward(ctx, q, k, v, s0, m, m0, ld, chunk, tape=None):  # type: ignore[no-untyped-def, override]
+        out, cur, s_in = _core_forward(q, k, v, s0, m, m0, ld, chunk, tape)
         # group boundary states only; with a decay also the output (the decay's gradient
         # reads o_t: saving it, O(N dv), spares the backward pass a second forward product)
         ctx.save_for_backward(q, k, v, m, m0, ld, out if ld is not None else None, *s_in)
@@ -377,7 +386,7 @@ class _CausalLinear(torch.autograd.Function):
         q_bar, k_bar, v_bar, s0_bar, ld_bar = _core_backward(q, k, v, m, m0, ld, s_in, ctx.chunk, o_bar, s_bar, out)
         if ld_bar is not None and not ctx.needs_input_grad[6]:
             ld_bar = None
-        return q_bar, k_bar, v_bar, s0_bar, None, None, ld_bar, None
+        return q_bar, k_bar, v_bar, s0_bar, None, None, ld_bar, None, None
 
 
 def _padded(q, k, v, m, ld, chunk):  # type: ignore[no-untyped-def]
@@ -521,12 +530,17 @@ def causal_linear_attention(
     """
     if torch.compiler.is_compiling():  # one graph: no value checks read back, autograd's backward
         return _traced(q, k, v, s0, m, m0, log_decay, chunk)
+    return _causal_linear(q, k, v, s0, m, m0, chunk, log_decay, None)
+
+
+def _causal_linear(q, k, v, s0, m, m0, chunk, log_decay, tape):  # type: ignore[no-untyped-def]
+    """:func:`causal_linear_attention` (eager), its blocks appended to ``tape`` when given."""
     log_decay = _checked_decay(log_decay, q)
     n = q.shape[-2]
     chunk = max(1, min(chunk, n))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # chunks are views (no copy when already)
     q, k, v, m, log_decay, extra = _padded(q, k, v, m, log_decay, chunk)
-    out, s_final = _CausalLinear.apply(q, k, v, s0, m, m0, log_decay, chunk)
+    out, s_final = _CausalLinear.apply(q, k, v, s0, m, m0, log_decay, chunk, tape)
     return (out[..., :n, :] if extra else out), s_final
 
 
@@ -539,12 +553,24 @@ def causal_linear_attention_forward(
     m0: torch.Tensor | None,
     chunk: int,
     log_decay: torch.Tensor | None = None,
+    *,
+    tape: list[Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`causal_linear_attention` without autograd (no graph is recorded, even when
     an input requires a gradient): for callers that write their own backward with
-    :func:`causal_linear_attention_backward`."""
+    :func:`causal_linear_attention_backward`.
+
+    ``tape`` (an empty list, no ``log_decay``): the forward pass's per-group work (states,
+    gate, gated products) is appended to it and kept, for the backward pass to reuse
+    instead of recomputing it; it holds about three ``[B, H, N, max(C, D)]`` blocks, so
+    it suits a call the caller keeps short (the grouped engine's one-group calls).
+    """
+    if tape is not None and log_decay is not None:
+        raise InputError("tape: the forward tape is kept for calls without log_decay only")
     with torch.no_grad():
-        return causal_linear_attention(q, k, v, s0, m, m0, chunk, log_decay)
+        if tape is None or torch.compiler.is_compiling():
+            return causal_linear_attention(q, k, v, s0, m, m0, chunk, log_decay)
+        return _causal_linear(q, k, v, s0, m, m0, chunk, None, tape)
 
 
 def causal_linear_attention_backward(
@@ -557,6 +583,8 @@ def causal_linear_attention_backward(
     chunk: int,
     o_bar: torch.Tensor,
     s_bar: torch.Tensor | None,
+    *,
+    tape: list[Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`causal_linear_attention` (without a decay) without autograd:
     the transposed recurrence of the module docstring, the states recomputed.
@@ -572,6 +600,9 @@ def causal_linear_attention_backward(
         Gradient of the output.
     s_bar : Tensor ``[B, H, D, dv]`` or None
         Gradient of the final state (``None``: zero).
+    tape : list, optional
+        The tape :func:`causal_linear_attention_forward` filled for these inputs: its
+        blocks are used instead of rebuilt (same gradients, bit for bit).
 
     Returns
     -------
@@ -585,12 +616,19 @@ def causal_linear_attention_backward(
         o_bar = torch.nn.functional.pad(o_bar, (0, 0, 0, extra))
     groups = _groups(q.shape[-2], chunk)
     s_in, cur = [s0], s0
-    if len(groups) > 1:  # the states entering the later groups: forward scans only
+    if tape is not None:
+        if len(tape) != len(groups):
+            raise InputError(
+                f"tape: expected the {len(groups)} blocks of a forward pass on these inputs, got {len(tape)}"
+            )
+    elif len(groups) > 1:  # the states entering the later groups: forward scans only
         tri = _tri(chunk, q.device)
         for g0, g1 in groups[:-1]:
             cur = _block(q, k, v, cur, m, m0, None, g0, g1, chunk, tri).s_out
             s_in.append(cur)
-    q_bar, k_bar, v_bar, s0_bar, _ = _core_backward(q, k, v, m, m0, None, s_in, chunk, o_bar.contiguous(), s_bar)
+    q_bar, k_bar, v_bar, s0_bar, _ = _core_backward(
+        q, k, v, m, m0, None, s_in, chunk, o_bar.contiguous(), s_bar, tape=tape
+    )
     if extra:
         q_bar, k_bar, v_bar = (t[..., :n, :] for t in (q_bar, k_bar, v_bar))
     return q_bar, k_bar, v_bar, s0_bar

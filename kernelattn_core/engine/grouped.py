@@ -43,11 +43,14 @@ The price is computing the features twice (once forward, once backward), one
 ``[N, d] x [d, D]`` product and an exponential per side. Except for a training call of
 **one group** (a short sequence, ``N <= G``; non-causal: one key group and one query
 group): its forward pass builds the group's local graphs and holds them for the backward
-pass, which then recomputes nothing (the memory held is that one group's work space, the
-bound the grouping keeps anyway). Measured 2026-11-26 (``prf``, 64 features, H 2, d 32,
+pass, and a causal one keeps the core's per-chunk work too (states, gate, gated products:
+the ``tape`` of :func:`~kernelattn_core.engine.chunked.causal_linear_attention_forward`),
+so the backward pass recomputes nothing (the memory held is that one group's work space,
+the bound the grouping keeps anyway). Measured 2026-11-26 (``prf``, 64 features, H 2, d 32,
 one thread): one causal call's forward + backward at B 32, N 128 40.7 -> 33.9 ms; the
 task benchmarks' training step 106 -> 98 ms (induction, causal) and 57.5 -> 51.0 ms
-(ListOps, non-causal).
+(ListOps, non-causal); the core's tape, later: induction step with ``prf`` 0.95x, MQAR
+with ``rfa`` 0.96x, ``hedgehog`` (plain features, no gate) 0.99x.
 
 Second derivatives (``create_graph=True``, for gradient penalties) are supported for
 non-causal calls by a different route: that backward pass recomputes the one-shot path
@@ -343,16 +346,23 @@ class _GroupedCausal(torch.autograd.Function):
         # the backward pass, which then does not recompute them (the memory is one group's,
         # the bound the grouping keeps anyway); several groups: recomputed group by group
         hold = call.keep and len(spans) == 1
-        ctx.held = None
+        ctx.held = ctx.tape = None
         for g0, g1 in spans:
             states.append(state)
             if hold:
                 leaves, prep = call.local_graph(q, k, v, g0, g1, state, ctx.needs_input_grad[1:4])
-                ctx.held = (leaves, prep)
+                ctx.held, ctx.tape = (leaves, prep), []  # the core's work is held too (the tape)
             else:
                 prep = call.prepare(q[:, :, g0:g1], k[:, :, g0:g1], v[:, :, g0:g1], g0, g1, state)
             out, s_final = causal_linear_attention_forward(
-                prep.fq.detach(), prep.fk.detach(), prep.v1.detach(), prep.s0.detach(), prep.m, prep.m0, call.chunk
+                prep.fq.detach(),
+                prep.fk.detach(),
+                prep.v1.detach(),
+                prep.s0.detach(),
+                prep.m,
+                prep.m0,
+                call.chunk,
+                tape=ctx.tape,
             )
             num, den, state = finish_causal(out, s_final, prep, state)
             rows.put(g0, g1, num, den)
@@ -395,6 +405,7 @@ class _GroupedCausal(torch.autograd.Function):
                 call.chunk,
                 o_bar,
                 s_bar,
+                tape=ctx.tape,
             )
             local = _local_grads(
                 (prep.fq, prep.fk, prep.v1), (fq_bar, fk_bar, v1_bar), [*leaves, *map_params], ctx.held is not None
