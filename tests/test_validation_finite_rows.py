@@ -32,3 +32,15 @@ def test_finite_rows_of_batched_views_and_empty_rows() -> None:
     assert finite_rows(torch.zeros(4, 0)).tolist() == [True] * 4
     y = torch.randn(5, 3, requires_grad=True)
     assert not finite_rows(y).requires_grad
+
+
+def test_all_finite_agrees_with_isfinite_all_including_a_sum_that_overflows() -> None:
+    from kernelattn_core.validation import all_finite
+
+    x = torch.randn(3, 4, 5)
+    big = torch.full((4,), 3e38)  # finite entries whose float32 sum overflows to inf
+    cases = [x, big, torch.empty(0), x.clone().index_put_((torch.tensor([1]),), torch.tensor(float("nan")))]
+    cases.append(x.clone().index_put_((torch.tensor([2]),), torch.tensor(float("-inf"))))
+    for t in cases:
+        assert all_finite(t) == bool(torch.isfinite(t).all())
+    assert all_finite(x, big) and not all_finite(x, cases[3])

@@ -34,7 +34,7 @@ from ..interfaces.names import construct, resolve_class
 from ..interfaces.normalizer import Normalizer, takes_causal
 from ..interfaces.state import StateOwner, check_state, check_state_tensor
 from ..redraw import RedrawPolicy
-from ..validation import check_positive_int
+from ..validation import all_finite, check_positive_int
 from .kernels import SoftmaxKernel
 
 #: kept for plugins written before the toolkit (``from kernelattn_core.builtins.estimators import _construct``)
@@ -55,12 +55,6 @@ def resolve_kernel(kernel: Kernel | type[Kernel] | str, options: dict[str, Any])
             f"kernel: expected a Kernel, a Kernel subclass or a registry name, got {type(kernel).__name__}"
         )
     return construct("kernel", resolve_class(kernel, "kernel"), "kernel", options)
-
-
-def _all_finite(*tensors: torch.Tensor) -> bool:
-    """Whether every entry is finite: one sum per tensor (finite unless an entry is not,
-    or the sum overflows, in which case the entries are checked)."""
-    return all(bool(torch.isfinite(t.detach().sum())) or bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def _weighted_values(w: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
@@ -152,7 +146,7 @@ class ExactAttention(AttentionEstimator):
             q, k, v32, poison = quarantine_traced(q, k, v32, causal)
             self.last_backend = "sdpa"
             return poison_rows(self._sdpa(q, k, v32, causal, key_padding_mask), poison).to(v.dtype)
-        if self.backend == "sdpa" and _all_finite(q, k, v32):
+        if self.backend == "sdpa" and all_finite(q, k, v32):
             self.last_backend = "sdpa"
             return self._sdpa(q, k, v32, causal, key_padding_mask).to(v.dtype)
         self.last_backend = "naive"

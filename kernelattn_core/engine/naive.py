@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..validation import finite_rows, isolated_rows, non_finite_rows  # noqa: F401 - re-exported (moved below the engine)
+from ..validation import all_finite, finite_rows, isolated_rows, non_finite_rows  # noqa: F401 - re-exported (moved below the engine)
 
 
 def allowed_pairs(
@@ -59,7 +59,7 @@ def quarantine_non_finite(
     allowed : Tensor of bool ``[B or 1, 1, N, M]`` or None
         :func:`allowed_pairs` (``None``: every query sees every key).
     """
-    if all(bool(torch.isfinite(t).all()) for t in (q, k, v)):
+    if all_finite(q, k, v):
         return q, k, v, None
     q, k, v, bad_q, bad_k = _zero_non_finite_rows(q, k, v)
     seen = bad_k.unsqueeze(-2) if allowed is None else allowed & bad_k.unsqueeze(-2)  # [B, H, N|1, M]
