@@ -30,7 +30,7 @@ Validation and randomness
 Engine helpers
     references (``kernel_attention_naive``, ``feature_attention_naive``,
     ``decayed_linear_attention_naive``), the quarantine of
-    non-finite rows (``allowed_pairs``, ``finite_rows``, ``isolated_pre``, ``isolated_rows``,
+    non-finite rows (``all_finite``, ``allowed_pairs``, ``finite_rows``, ``isolated_pre``, ``isolated_rows``,
     ``non_finite_rows``, ``poison_rows``, ``quarantine_non_finite``), ``absorb_keys`` (and
     ``absorb_one_finite``, its one-key form without the quarantine),
     ``compute_dtype``, ``exp_nonpositive`` (stabilised exponentials that stay on the CPU's
@@ -112,7 +112,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
             "quarantine_non_finite",
         )
     },
-    **{n: ("kernelattn_core.validation", n) for n in ("finite_rows", "isolated_rows", "non_finite_rows")},
+    **{n: ("kernelattn_core.validation", n) for n in ("all_finite", "finite_rows", "isolated_rows", "non_finite_rows")},
     **{n: ("kernelattn_core.engine.torch_backend", n) for n in ("absorb_keys", "absorb_one_finite", "compute_dtype")},
     "causal_linear_attention": ("kernelattn_core.engine.chunked", "causal_linear_attention"),
     "exp_nonpositive": ("kernelattn_core.engine.chunked", "exp_nonpositive"),

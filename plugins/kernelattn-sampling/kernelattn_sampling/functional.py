@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from kernelattn_core.toolkit import finite_rows
+from kernelattn_core.toolkit import all_finite, finite_rows
 
 NEG_INF = float("-inf")
 
@@ -47,9 +47,9 @@ def visible_matmul(w: torch.Tensor, x: torch.Tensor, visible: torch.Tensor) -> t
     by 0 in the product and the output is set to NaN exactly where a *visible* ``j``
     holds a non-finite entry in that column, as an exact computation would give.
     """
-    finite = torch.isfinite(x)
-    if bool(finite.all()):
+    if all_finite(x):  # one sum: the common case pays no x-sized mask
         return w @ x
+    finite = torch.isfinite(x)
     out = w @ torch.where(finite, x, torch.zeros_like(x))
     seen = (visible.to(x.dtype) @ (~finite).to(x.dtype)) > 0  # [..., X, dv]
     return out.masked_fill(seen, float("nan"))
