@@ -325,12 +325,17 @@ def _core_forward(q, k, v, s0, m, m0, ld, chunk, tape=None):  # type: ignore[no-
     ``tape`` (a list): the groups' blocks are appended to it, their gated products kept."""
     b, h, n, _ = q.shape
     tri = _tri(chunk, q.device)
-    out = q.new_empty(b, h, n, v.shape[-1])  # every group writes its rows
+    groups = _groups(n, chunk)
+    out = None if len(groups) == 1 else q.new_empty(b, h, n, v.shape[-1])  # every group writes its rows
     s_in, cur = [], s0
-    for g0, g1 in _groups(n, chunk):  # groups bound the work space; no autograd records this loop
+    for g0, g1 in groups:  # groups bound the work space; no autograd records this loop
         s_in.append(cur)
         blk = _block(q, k, v, cur, m, m0, ld, g0, g1, chunk, tri)
-        out[:, :, g0:g1] = blk.forward(keep=tape is not None).view(b, h, g1 - g0, -1)
+        rows = blk.forward(keep=tape is not None).view(b, h, g1 - g0, -1)
+        if out is None:  # one group: its rows are the output (no copy)
+            out = rows
+        else:
+            out[:, :, g0:g1] = rows
         cur = blk.s_out
         if tape is not None:
             tape.append(blk)
@@ -345,7 +350,8 @@ def _core_backward(q, k, v, m, m0, ld, s_in, chunk, o_bar, s_bar, out=None, tape
     b, h, n, d_feat = q.shape
     tri = _tri(chunk, q.device)
     groups = _groups(n, chunk)
-    q_bar, k_bar, v_bar = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # groups tile [0, N)
+    one = len(groups) == 1  # one group: its gradients are the result (no copy)
+    q_bar, k_bar, v_bar = (None, None, None) if one else (torch.empty_like(t) for t in (q, k, v))  # groups tile [0, N)
     big_bar = None if ld is None else torch.empty_like(ld)  # dL/dLambda_t (Lambda = cumsum ld)
     end_term = None
     g_out = torch.zeros_like(s_in[0]) if s_bar is None else s_bar
@@ -358,9 +364,11 @@ def _core_backward(q, k, v, m, m0, ld, s_in, chunk, o_bar, s_bar, out=None, tape
         dq, dk, dv_, g_out = blk.backward(ob, g_out)
         if big_bar is not None:
             big_bar[:, :, g0:g1] = blk.decay_bar(ob, _rows(out, g0, g1), dk).view(b, h, g1 - g0)
-        q_bar[:, :, g0:g1] = dq.view(b, h, g1 - g0, d_feat)
-        k_bar[:, :, g0:g1] = dk.view(b, h, g1 - g0, d_feat)
-        v_bar[:, :, g0:g1] = dv_.view(b, h, g1 - g0, -1)
+        dq, dk, dv_ = dq.view(b, h, g1 - g0, d_feat), dk.view(b, h, g1 - g0, d_feat), dv_.view(b, h, g1 - g0, -1)
+        if one:
+            q_bar, k_bar, v_bar = dq, dk, dv_
+        else:
+            q_bar[:, :, g0:g1], k_bar[:, :, g0:g1], v_bar[:, :, g0:g1] = dq, dk, dv_  # type: ignore[index]
         del blk, dq, dk, dv_
     ld_bar = None
     if big_bar is not None:  # ld_i reaches every Lambda_t with t >= i: a reversed cumulative sum
