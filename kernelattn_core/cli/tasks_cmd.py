@@ -32,7 +32,7 @@ a GPU; --compile trains through torch.compile (a CPU step of a linear estimator 
 the eager one, after 10-40 s of compilation per run: worth it for --scale paper, not at the
 quick scale). Presets:
   --preset seeds    the five source papers' estimators (+ hedgehog, sliding-window) on every
-                    task, in the layout of their Table 2 (about 33 min on 2 cores with --jobs 2)
+                    task, in the layout of their Table 2 (30-37 min on 2 cores with --jobs 2)
   --preset zoology  MQAR against the feature budget 16..256 for prf, hedgehog, elu and
                     sliding-window, two seeds (Zoology's Fig. 2 at CPU scale)
 """
