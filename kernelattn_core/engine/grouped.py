@@ -165,6 +165,11 @@ class _Call:
             state,
         )
 
+    def core_args(self, prep: CausalInputs) -> tuple[Any, ...]:
+        """The chunked core's inputs from :meth:`prepare`'s (detached: the core's backward
+        is written by hand, the local graph carries its gradients on)."""
+        return prep.fq.detach(), prep.fk.detach(), prep.v1.detach(), prep.s0.detach(), prep.m, prep.m0, self.chunk
+
     def local_graph(
         self,
         q: torch.Tensor,
@@ -354,16 +359,7 @@ class _GroupedCausal(torch.autograd.Function):
                 ctx.held, ctx.tape = (leaves, prep), []  # the core's work is held too (the tape)
             else:
                 prep = call.prepare(q[:, :, g0:g1], k[:, :, g0:g1], v[:, :, g0:g1], g0, g1, state)
-            out, s_final = causal_linear_attention_forward(
-                prep.fq.detach(),
-                prep.fk.detach(),
-                prep.v1.detach(),
-                prep.s0.detach(),
-                prep.m,
-                prep.m0,
-                call.chunk,
-                tape=ctx.tape,
-            )
+            out, s_final = causal_linear_attention_forward(*call.core_args(prep), tape=ctx.tape)
             num, den, state = finish_causal(out, s_final, prep, state)
             rows.put(g0, g1, num, den)
             del prep, out, num, den
@@ -396,16 +392,7 @@ class _GroupedCausal(torch.autograd.Function):
             if prep.poison is not None:  # NaN rows: masked_fill's gradient there is 0
                 o_bar = o_bar.masked_fill(prep.poison.unsqueeze(-1), 0.0)
             fq_bar, fk_bar, v1_bar, s_bar = causal_linear_attention_backward(
-                prep.fq.detach(),
-                prep.fk.detach(),
-                prep.v1.detach(),
-                prep.s0.detach(),
-                prep.m,
-                prep.m0,
-                call.chunk,
-                o_bar,
-                s_bar,
-                tape=ctx.tape,
+                *call.core_args(prep), o_bar, s_bar, tape=ctx.tape
             )
             local = _local_grads(
                 (prep.fq, prep.fk, prep.v1), (fq_bar, fk_bar, v1_bar), [*leaves, *map_params], ctx.held is not None
