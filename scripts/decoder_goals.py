@@ -165,13 +165,26 @@ def run_profile(args: argparse.Namespace, sink: list[dict[str, Any]]) -> None:
 
 
 # ---------------------------------------------------------------------- compile
+#: ``compile --estimators none``: the model with each attention replaced by one linear map
+#: (the part of the step that compiling cannot make faster: the dense layers)
+NO_ATTENTION = "none"
+
+
+class _Linear(torch.nn.Linear):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return super().forward(x), None
+
+
 class _Block(torch.nn.Module):
     def __init__(self, width: int, heads: int, name: str, options: dict[str, Any]) -> None:
         import kernelattn_core as ka
 
         super().__init__()
         self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
-        self.attn = ka.KernelAttention(width, heads, name, causal=True, batch_first=True, **options)
+        if name == NO_ATTENTION:
+            self.attn: torch.nn.Module = _Linear(width, width)
+        else:
+            self.attn = ka.KernelAttention(width, heads, name, causal=True, batch_first=True, **options)
         self.mlp = torch.nn.Sequential(
             torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width)
         )
@@ -199,10 +212,15 @@ class TinyLM(torch.nn.Module):
 
 
 def run_compile(args: argparse.Namespace, sink: list[dict[str, Any]]) -> None:
+    """Eager against compiled training steps of one model per estimator: both built and
+    given their first step (the compiled one's includes the compilation), then timed in
+    turn, one eager step and one compiled step per repeat, so that a change of the
+    machine's speed during the run reaches both medians alike."""
     for name in args.estimators:
-        options = {k: v for k, v in STUDENTS[name].items() if k != "window"}
+        options = {k: v for k, v in STUDENTS.get(name, {}).items() if k != "window"}
         ids = torch.randint(0, 384, (args.batch, args.length), generator=torch.Generator().manual_seed(0))
         record: dict[str, Any] = {"measure": "compile", "estimator": name, "batch": args.batch, "length": args.length}
+        steps = {}
         for mode in ("eager", "compiled"):
             torch.manual_seed(0)
             model = TinyLM(name, options).train()
@@ -217,10 +235,14 @@ def run_compile(args: argparse.Namespace, sink: list[dict[str, Any]]) -> None:
                 opt.step()
                 return time.perf_counter() - t0
 
-            first = step()
-            times = [step() for _ in range(args.repeats)]
-            record[f"{mode}_first_s"] = first
-            record[f"{mode}_step_s"] = statistics.median(times)
+            steps[mode] = step
+            record[f"{mode}_first_s"] = step()
+        times: dict[str, list[float]] = {"eager": [], "compiled": []}
+        for _ in range(args.repeats):
+            for mode, step in steps.items():
+                times[mode].append(step())
+        for mode, ts in times.items():
+            record[f"{mode}_step_s"] = statistics.median(ts)
         record["compiled_over_eager"] = record["compiled_step_s"] / record["eager_step_s"]
         emit(record, sink)
         torch._dynamo.reset()
@@ -297,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--estimators", nargs="+", default=["prf", "hedgehog"])
     p = sub.add_parser("compile")
-    p.add_argument("--estimators", nargs="+", default=["prf", "hedgehog"])
+    p.add_argument("--estimators", nargs="+", default=["prf", "hedgehog"], help=f"registry names, or {NO_ATTENTION!r}")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)

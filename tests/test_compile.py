@@ -8,7 +8,7 @@ eager engine (outputs and gradients, NaN/inf inputs and padding included), Dynam
 ``bool(tensor)``, ``nonzero``), and a ``fullgraph=True`` compile (``aot_eager``: tracing
 and autograd without code generation, cheap) trains like eager. CI cost: about 40 s on the
 shared 2-core machine.
-Compile time and the compiled step's speed are measured by ``benchmarks/decoder_goals.py``.
+Compile time and the compiled step's speed are measured by ``scripts/decoder_goals.py``.
 """
 
 from __future__ import annotations

@@ -50,3 +50,19 @@ def test_profile_counts_one_attention_call_per_layer_and_token() -> None:
     assert calls["kernel_attention_forward"] == 4
     assert calls["attend"] == 4  # on the layer's decoding state (KernelStateLayer.attend), never recomputed
     assert all(0 < r["share"] <= 1 for r in sink)
+
+
+def test_compile_floor_model_has_no_attention_and_trains() -> None:
+    """``compile --estimators none``: the same model with each attention replaced by one
+    linear map (the dense part of the step, which compiling does not speed up)."""
+    import torch
+
+    import kernelattn_core as ka
+
+    goals = load_script()
+    floor, full = goals.TinyLM(goals.NO_ATTENTION, {}), goals.TinyLM("prf", {"num_features": 8})
+    assert not any(isinstance(m, ka.KernelAttention) for m in floor.modules())
+    assert sum(isinstance(m, ka.KernelAttention) for m in full.modules()) == 4
+    loss = floor(torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(0)))
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in floor.parameters() if p.requires_grad)
