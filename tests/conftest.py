@@ -59,3 +59,20 @@ def qkv(b=2, h=3, n=13, m=None, d=8, dv=5, dtype=torch.float64, seed=0, scale=1.
     k = torch.randn(b, h, m, d, generator=g, dtype=torch.float64) * scale
     v = torch.randn(b, h, m, dv, generator=g, dtype=torch.float64)
     return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.fixture
+def script_module():  # type: ignore[no-untyped-def]
+    """Load ``scripts/<name>.py`` (the measurement scripts are files, not a package) as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    def load(name: str):  # type: ignore[no-untyped-def]
+        path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

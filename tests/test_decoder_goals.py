@@ -5,25 +5,14 @@ bytes). CI cost: about 10 s."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "decoder_goals.py"
 
-
-def load_script():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("decoder_goals", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_decode_records_flat_state_memory_and_a_growing_kv_cache() -> None:
-    goals = load_script()
+def test_decode_records_flat_state_memory_and_a_growing_kv_cache(script_module) -> None:  # type: ignore[no-untyped-def]
+    goals = script_module("decoder_goals")
     sink: list[dict] = []
     args = argparse.Namespace(contexts=[80, 128], tokens=2, estimators=["prf", "sliding-window"])
     goals.run_decode(args, sink)
@@ -40,8 +29,8 @@ def test_decode_records_flat_state_memory_and_a_growing_kv_cache() -> None:
         assert size[(name, 128)] < size[(original, 128)]
 
 
-def test_profile_counts_one_attention_call_per_layer_and_token() -> None:
-    goals = load_script()
+def test_profile_counts_one_attention_call_per_layer_and_token(script_module) -> None:  # type: ignore[no-untyped-def]
+    goals = script_module("decoder_goals")
     sink: list[dict] = []
     args = argparse.Namespace(context=24, tokens=3, top=400, estimators=["prf"])
     goals.run_profile(args, sink)
@@ -52,14 +41,14 @@ def test_profile_counts_one_attention_call_per_layer_and_token() -> None:
     assert all(0 < r["share"] <= 1 for r in sink)
 
 
-def test_compile_floor_model_has_no_attention_and_trains() -> None:
+def test_compile_floor_model_has_no_attention_and_trains(script_module) -> None:  # type: ignore[no-untyped-def]
     """``compile --estimators none``: the same model with each attention replaced by one
     linear map (the dense part of the step, which compiling does not speed up)."""
     import torch
 
     import kernelattn_core as ka
 
-    goals = load_script()
+    goals = script_module("decoder_goals")
     floor, full = goals.TinyLM(goals.NO_ATTENTION, {}), goals.TinyLM("prf", {"num_features": 8})
     assert not any(isinstance(m, ka.KernelAttention) for m in floor.modules())
     assert sum(isinstance(m, ka.KernelAttention) for m in full.modules()) == 4
