@@ -22,7 +22,6 @@ every step's loss, as the end-to-end stage's ``--anchor`` does). One JSON line p
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import time
 from typing import Any
@@ -43,11 +42,6 @@ def parse_variant(text: str) -> dict[str, Any]:
     return out
 
 
-def _anchored(*args: Any, base: Any, pull: float, pairs: tuple) -> torch.Tensor:
-    """The fit's loss plus the L2-SP pull ``pull * sum |p - p0|^2`` of ``pairs (p, p0)``."""
-    return base(*args) + pull * sum(((p - p0) ** 2).sum() for p, p0 in pairs)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 5])
@@ -65,7 +59,13 @@ def main() -> None:
     paragraphs = minilm.read_texts("shipped").split("\n\n")
     first, second = "\n\n".join(paragraphs[:18]), "\n\n".join(paragraphs[18:])
     checks = {"prose, 2nd half": second, "held-out": minilm.read_texts("held-out"), "legal": minilm.read_texts("legal")}
-    base_loss = distill._loss
+    # the judged layers' inputs are the teacher's (the student's projections are its own), so
+    # one capture serves every variant
+    probe = ka.convert_attention(teacher, "sliding-window", **OPTIONS)
+    judged = {
+        name: distill.capture_layers(probe, teacher, [minilm.pack(tokenizer, t, max_length=512, max_sequences=4)])
+        for name, t in checks.items()
+    }
 
     for text in args.variants:
         v = parse_variant(text)
@@ -78,27 +78,20 @@ def main() -> None:
         else:
             fit = minilm.pack(tokenizer, first, max_length=512)
         fitted = distill.capture_layers(student, teacher, [fit])
-        judged = {
-            name: distill.capture_layers(student, teacher, [minilm.pack(tokenizer, t, max_length=512, max_sequences=4)])
-            for name, t in checks.items()
-        }
         gen = torch.Generator().manual_seed(0)
         for index in args.layers:
             est = modules[names[index]].estimator.eval()
-            params = [p for p in est.parameters() if p.requires_grad]
-            start = [p.detach().clone() for p in params]
             t0 = time.perf_counter()
-            distill._loss = (
-                functools.partial(_anchored, base=base_loss, pull=v["anchor"], pairs=tuple(zip(params, start)))
-                if v["anchor"]
-                else base_loss
+            distill._fit_layer(
+                est,
+                fitted[names[index]],
+                steps=v["steps"],
+                lr=v["lr"],
+                loss="ce",
+                rows=v["rows"],
+                gen=gen,
+                anchor=v["anchor"],
             )
-            try:
-                distill._fit_layer(
-                    est, fitted[names[index]], steps=v["steps"], lr=v["lr"], loss="ce", rows=v["rows"], gen=gen
-                )
-            finally:
-                distill._loss = base_loss
             record = {
                 "variant": text,
                 "layer": index,

@@ -1,5 +1,5 @@
 """scripts/fit_generalisation.py (the overfitting experiment of docs/real_models.rst): its
-variant syntax and the L2-SP pull it adds to the fit's loss. The experiment itself loads
+variant syntax and the L2-SP term the fit adds with ``anchor``. The experiment itself loads
 MiniLM and runs minutes: not in CI."""
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ def test_variants_change_one_setting_each_and_refuse_unknown_ones(script_module)
         script.parse_variant("epochs=3")
 
 
-def test_anchor_adds_the_pull_towards_the_start(script_module) -> None:  # type: ignore[no-untyped-def]
-    script = script_module("fit_generalisation")
+def test_anchor_penalty_is_the_squared_distance_to_the_start() -> None:
+    from kernelattn_core.convert.distill import anchor_penalty
+
     p, p0 = torch.tensor([1.0, 3.0]), torch.tensor([0.0, 1.0])
-    value = script._anchored(2, 5, base=lambda a, b: torch.tensor(float(a * b)), pull=0.5, pairs=((p, p0),))
-    assert float(value) == pytest.approx(10.0 + 0.5 * (1.0 + 4.0))
+    q, q0 = torch.tensor([[2.0]]), torch.tensor([[-1.0]])
+    assert float(anchor_penalty([p, q], [p0, q0])) == pytest.approx(1.0 + 4.0 + 9.0)
+    with pytest.raises(ValueError):  # a parameter without its start is an error, not dropped
+        anchor_penalty([p, q], [p0])

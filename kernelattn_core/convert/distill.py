@@ -274,6 +274,14 @@ class _Bar:
             self._plain.__exit__(None, None, None)
 
 
+def anchor_penalty(params: Sequence[torch.Tensor], start: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The L2-SP term :math:`\\sum_i \\lVert \\theta_i - \\theta_i^{(0)} \\rVert^2` of parameters
+    ``params`` against their starting values ``start`` (Li et al., 2018): the fitting
+    stages add ``anchor`` times it to their loss so that a small corpus does not pull the
+    parameters far from where they started."""
+    return sum(((p - p0) ** 2).sum() for p, p0 in zip(params, start, strict=True))  # type: ignore[return-value]
+
+
 def _fit_layer(
     est: nn.Module,
     layer: _Layer,
@@ -285,20 +293,27 @@ def _fit_layer(
     gen: torch.Generator,
     bar: _Bar | None = None,
     label: str = "",
+    anchor: float = 0.0,
 ) -> None:
     """Adam on the estimator's trainable parameters, one sequence per step, ``rows``
-    random valid query rows in the loss (the estimator must be in eval mode)."""
+    random valid query rows in the loss (the estimator must be in eval mode); with
+    ``anchor > 0`` the loss gains ``anchor`` times :func:`anchor_penalty` against the
+    parameters' values at the start (measured for the MiniLM recipe by
+    ``scripts/fit_generalisation.py``: no gain there, so the conversion leaves it off)."""
     params = [p for p in est.parameters() if p.requires_grad]
     if not params or not steps:
         for _ in range(steps if bar is not None else 0):
             bar.advance(f"{label} (nothing to fit)")  # type: ignore[union-attr]
         return
+    start = [p.detach().clone() for p in params] if anchor else []
     opt = torch.optim.Adam(params, lr=lr)
     for step in range(steps):
         i = step % len(layer.q)
         valid = _valid_rows(layer, i)
         pick = valid[torch.randperm(len(valid), generator=gen)[:rows]].sort().values
         value = _loss(est, layer, i, pick, loss)
+        if anchor:
+            value = value + anchor * anchor_penalty(params, start)
         opt.zero_grad()
         value.backward()
         opt.step()

@@ -39,7 +39,7 @@ from torch import nn
 
 from ..errors import InputError
 from ..validation import check_positive_int
-from .distill import _Bar
+from .distill import _Bar, anchor_penalty
 from .lora import ENCODER_TARGETS, attach_adapters, detach_adapters
 
 
@@ -236,7 +236,7 @@ def finetune_end_to_end(
             batch = batches[(step - 1) % len(batches)]
             value = _loss(student, target(step - 1, batch, len(batches) <= 64), batch, embedding_weight, hidden_weight)
             if anchor:
-                value = value + anchor * sum(((p - p0) ** 2).sum() for p, p0 in zip(params, start_values))
+                value = value + anchor * anchor_penalty(params, start_values)
             opt.zero_grad()
             value.backward()
             opt.step()

@@ -230,7 +230,7 @@ def finetune_causal_lm(
     """
     from ..validation import check_positive_int
     from .attention import converted_modules
-    from .distill import _Bar
+    from .distill import _Bar, anchor_penalty
 
     check_positive_int("steps", steps, minimum=0)
     check_positive_int("batch_size", batch_size)
@@ -302,7 +302,7 @@ def finetune_causal_lm(
                 target = teacher(input_ids=x, attention_mask=m).logits
             value = causal_kl(student(input_ids=x, attention_mask=m).logits, target, m)
             if anchor:
-                value = value + anchor * sum(((p - p0) ** 2).sum() for p, p0 in zip(params, start_values))
+                value = value + anchor * anchor_penalty(params, start_values)
             opt.zero_grad(set_to_none=True)
             value.backward()
             opt.step()
