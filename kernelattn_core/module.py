@@ -13,7 +13,7 @@ from .api import create
 from .errors import InputError
 from .interfaces.estimator import supports_step
 from .interfaces.state import StateOwner, check_state, check_state_tensor
-from .validation import check_bool, check_positive_int, check_tensor
+from .validation import FLOAT_DTYPES, check_bool, check_device, check_positive_int, check_tensor
 
 
 @dataclass
@@ -129,6 +129,16 @@ class KernelAttention(nn.Module):
             raise InputError(f"num_heads: expected a divisor of embed_dim = {embed_dim}, got {num_heads}")
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.head_dim = embed_dim // num_heads
+        for name, width in (("kdim", kdim), ("vdim", vdim)):
+            if width is not None:  # None: embed_dim (0 is refused, not read as None)
+                check_positive_int(name, width)
+        if device is not None:
+            device = check_device("device", device)
+        if dtype is not None and dtype not in FLOAT_DTYPES:
+            raise InputError(
+                f"dtype: expected None or a floating-point torch.dtype (float16, bfloat16, float32 or float64), "
+                f"got {dtype!r}"
+            )
         self.causal, self.batch_first = causal, batch_first
         self.kdim, self.vdim = kdim or embed_dim, vdim or embed_dim
         factory = {"device": device, "dtype": dtype}
@@ -256,6 +266,13 @@ class KernelAttention(nn.Module):
             check_tensor(name, t, 3, "[B, N, E]" if self.batch_first else "[N, B, E]")
             if t.shape[-1] != width:
                 raise InputError(f"{name}: expected last dimension {width}, got shape {tuple(t.shape)}")
+        weight_dtype = self.q_proj.weight.dtype
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if t.dtype != weight_dtype and not torch.is_autocast_enabled(t.device.type):  # autocast casts
+                raise InputError(
+                    f"{name}: expected dtype {weight_dtype} (the module's parameters; convert one with .to()), "
+                    f"got {t.dtype}"
+                )
         if not self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         b, n, _ = query.shape
@@ -273,6 +290,9 @@ class KernelAttention(nn.Module):
             if is_causal and not mask_causal:
                 raise InputError("is_causal: True was given with an attn_mask that is not the causal mask")
             causal = mask_causal or (is_causal is True)
+        if kpm is not None:  # before the projections: their weight gradients sum over every row
+            pad = kpm[:, :, None]  # [B, M, 1]
+            key, value = key.masked_fill(pad, 0.0), value.masked_fill(pad, 0.0)
         q = self.q_proj(query).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, N, Dh]
         k = self.k_proj(key).view(b, m, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, M, Dh]
         v = self.v_proj(value).view(b, m, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, M, Dh]

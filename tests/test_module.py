@@ -204,3 +204,50 @@ def test_transformer_encoder_accepts_kernel_attention_as_self_attn() -> None:
     with torch.no_grad():
         out = encoder(x, src_key_padding_mask=pad)
     assert out.shape == (2, 5, 16) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("estimator", ["softmax", "elu", "prf", "hedgehog", "sliding-window"])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), 1e30])
+def test_padded_key_and_value_inputs_never_reach_a_gradient(estimator: str, poison: float) -> None:
+    """Whatever the key/value inputs hold at padded positions, the output and every
+    parameter's gradient equal those of a clean run (the projections' weight gradients sum
+    over every row, padded ones included, unless the padded rows are zeroed first)."""
+    torch.manual_seed(0)
+    attn = ka.KernelAttention(16, 2, estimator, batch_first=True, dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    q, kv = (
+        torch.randn(3, 5, 16, dtype=torch.float64, generator=g),
+        torch.randn(3, 7, 16, dtype=torch.float64, generator=g),
+    )
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[0, 5:], pad[2, 2:] = True, True
+    results = []
+    for value in (0.0, poison):
+        attn.zero_grad()
+        x = kv.masked_fill(pad[:, :, None], value)
+        out, _ = attn(q, x, x, key_padding_mask=pad)
+        out.sum().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in attn.named_parameters()}))
+    (clean, clean_grads), (dirty, dirty_grads) = results
+    torch.testing.assert_close(dirty, clean, rtol=1e-12, atol=1e-12)
+    for name, grad in clean_grads.items():
+        torch.testing.assert_close(dirty_grads[name], grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_constructor_and_dtype_refusals_name_the_argument() -> None:
+    for kwargs, match in (
+        ({"kdim": 0}, r"kdim: expected an integer >= 1, got 0"),
+        ({"vdim": 2.5}, r"vdim: expected an integer >= 1, got 2.5"),
+        ({"device": "bogus"}, r"device: expected a torch device"),
+        ({"dtype": torch.int64}, r"dtype: expected None or a floating-point torch.dtype"),
+        ({"dtype": "float32"}, r"dtype: expected None or a floating-point torch.dtype"),
+    ):
+        with pytest.raises(ka.InputError, match=match):
+            ka.KernelAttention(8, 2, **kwargs)
+    attn = ka.KernelAttention(8, 2, batch_first=True, dtype=torch.float64)
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    with pytest.raises(ka.InputError, match=r"key: expected dtype torch.float64 \(the module's parameters"):
+        attn(x, x.float(), x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts: no refusal
+        out, _ = ka.KernelAttention(8, 2, batch_first=True)(torch.randn(2, 3, 8).bfloat16())
+    assert out.shape == (2, 3, 8)
