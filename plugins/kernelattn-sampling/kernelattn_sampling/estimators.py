@@ -539,8 +539,11 @@ class LinearRandomizedAttention(AttentionEstimator):
             "num_features", self.default_num_features if num_features is None else num_features
         )
         self.landmarks = check_choice("landmarks", landmarks, ("segment", "pool2d"))
+        for name, pair in (("grid", grid), ("pool", pool)):
+            if pair is not None and not _positive_pair(pair):
+                raise InputError(f"{name}: expected a pair of integers >= 1 (height, width), got {pair!r}")
         if landmarks == "pool2d":
-            if grid is None or len(grid) != 2:
+            if grid is None:
                 raise InputError(f"grid: landmarks='pool2d' needs the token grid (height, width), got {grid!r}")
             if pool is None:
                 r = math.isqrt(self.num_features)
@@ -643,3 +646,12 @@ class LinearRandomizedAttention(AttentionEstimator):
             f"num_features={self.num_features}, landmarks={self.landmarks!r}, proposal={self.proposal!r}, "
             f"weighting={self.weighting!r}, beta={self.beta}, negative_weights={self.negative_weights!r}"
         )
+
+
+def _positive_pair(value: object) -> bool:
+    """Whether ``value`` is a pair (tuple or list) of integers >= 1 (bools refused)."""
+    return (
+        isinstance(value, tuple | list)
+        and len(value) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in value)
+    )

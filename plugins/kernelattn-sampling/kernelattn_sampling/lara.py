@@ -206,10 +206,13 @@ def r_prime(
     landmarks ``c`` (``axis="landmark"``), ``[B, H, N, C]``.
 
     ``q_keep [B, H, N]`` (bool) leaves queries out of the sum over ``n'`` (a non-finite
-    query would otherwise reach every row); their own ``r'`` is 0."""
+    query would otherwise reach every row); their own ``r'`` is 0, and so is every ``r'`` of
+    a sequence none of whose queries is kept (all padding: a softmax over nothing, not 0/0)."""
     logits = q @ q_land.transpose(-1, -2)  # [B, H, N, C]
     if q_keep is not None and axis == "query":
         logits = logits.masked_fill(~q_keep[..., None], NEG_INF)
+        logits = torch.where(q_keep.any(-1)[..., None, None], logits, 0.0)  # finite, then zeroed below
+        return torch.softmax(logits, dim=-2).masked_fill(~q_keep[..., None], 0.0)
     return torch.softmax(logits, dim=-2 if axis == "query" else -1)
 
 

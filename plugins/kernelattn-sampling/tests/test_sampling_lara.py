@@ -173,6 +173,10 @@ def test_sampling_lara_pool2d_landmarks_and_option_errors() -> None:
         ka.create("lara", weighting="optimal")
     with pytest.raises(ka.InputError, match="head_dim"):
         ka.create("lara", landmark_projection=True)
+    for kwargs in ({"grid": 2}, {"grid": (4, 0)}, {"pool": 0}, {"grid": (4, 4), "pool": (2.0, 2)}):
+        name = "pool" if "pool" in kwargs else "grid"
+        with pytest.raises(ka.InputError, match=rf"{name}: expected a pair of integers >= 1"):
+            ka.create("lara", num_features=4, landmarks="pool2d", **{"grid": (4, 4), **kwargs})
 
 
 def test_sampling_lara_is_non_causal_with_a_clear_error() -> None:
@@ -219,6 +223,22 @@ def test_sampling_lara_padding_is_excluded(proposal: str, weighting: str) -> Non
         outs.append(est.double().train()(q, kk, vv, key_padding_mask=mask))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-10, atol=1e-10)
     assert float(outs[0].abs().max()) < 10
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_sampling_lara_a_sequence_with_every_key_padded_gives_zeros_and_finite_gradients(train: bool) -> None:
+    """The documented convention (a query with no key gets zeros); r' of such a sequence was
+    a softmax over no query (0/0), NaN in its output and in its inputs' gradients."""
+    q, k, v = (t.requires_grad_(True) for t in _qkv(n=6, m=6))
+    mask = torch.zeros(2, 6, dtype=torch.bool)
+    mask[1] = True
+    est = ka.create("lara", num_features=3, generator=torch.Generator().manual_seed(0)).double().train(train)
+    out = est(q, k, v, key_padding_mask=mask)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    out[0].sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+        assert torch.equal(t.grad[1], torch.zeros_like(t.grad[1]))
 
 
 def test_sampling_lara_options_run_and_learned_projection_gets_gradients() -> None:
