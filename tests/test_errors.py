@@ -88,3 +88,24 @@ def test_num_features_must_be_a_positive_int(use_registry) -> None:
 def test_create_refuses_a_normalizer_name() -> None:
     with pytest.raises(ka.UnknownNameError, match="'row' is a normalizer"):
         ka.create("row")
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "match"),
+    [
+        ("matern", {"nu": float("inf")}, r"nu: expected one of 1/2, 3/2, 5/2 .*got inf"),
+        ("hedgehog", {"init_scale": float("nan")}, r"init_scale: expected a finite number >= 0, got nan"),
+        ("hedgehog", {"init_scale": float("inf")}, r"init_scale: expected a finite number >= 0, got inf"),
+        ("cexp", {"eps": float("inf")}, r"eps: expected a finite positive number, got inf"),
+        ("hcexp", {"eps": float("inf")}, r"eps: expected a finite positive number, got inf"),
+        ("rmf", {"check": "no"}, r"check: expected True or False, got 'no' \(str\)"),
+        ("rmfa", {"check": 1}, r"check: expected True or False, got 1 \(int\)"),
+        ("rmf", {"kernel_options": 0}, r"kernel_options: expected a dict of the kernel's options, got 0"),
+        ("rmfa", {"kernel_options": "bogus"}, r"kernel_options: expected a dict of the kernel's options, got 'bogus'"),
+    ],
+)
+def test_plugin_options_refused_naming_the_option(name: str, options: dict, match: str) -> None:
+    """Values that built an estimator and then gave NaN (an infinite scale or epsilon), were
+    read by their truth value (``check="no"``), or failed inside the standard library."""
+    with pytest.raises(ka.InputError, match=match):
+        ka.create(name, **options)

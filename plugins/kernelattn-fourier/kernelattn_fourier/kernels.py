@@ -219,7 +219,7 @@ def check_nu(nu: object) -> Fraction:
     """:math:`\\nu \\in \\{1/2, 3/2, 5/2\\}` as a Fraction (accepts 0.5, '3/2', Fraction(5, 2))."""
     try:
         value = Fraction(str(nu)) if isinstance(nu, str) else Fraction(nu)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an infinite float
         value = None
     if isinstance(nu, bool) or value not in _NU:
         raise InputError(f"nu: expected one of 1/2, 3/2, 5/2 (0.5, 1.5, 2.5), got {nu!r}")

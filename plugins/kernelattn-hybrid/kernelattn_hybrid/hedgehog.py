@@ -116,8 +116,13 @@ class HedgehogFeatureMap(FeatureMap):
         if not isinstance(tied, bool):
             raise InputError(f"tied: expected a bool, got {tied!r}")
         self.tied = tied
-        if not isinstance(init_scale, int | float) or isinstance(init_scale, bool) or init_scale < 0:
-            raise InputError(f"init_scale: expected a number >= 0, got {init_scale!r}")
+        if (
+            not isinstance(init_scale, int | float)
+            or isinstance(init_scale, bool)
+            or not math.isfinite(init_scale)
+            or init_scale < 0
+        ):
+            raise InputError(f"init_scale: expected a finite number >= 0, got {init_scale!r}")
         self.init_scale = float(init_scale)
         self.init = str(check_choice("init", init, ("identity", "prf")))
         super().__init__(head_dim, d_total, generator=generator)

@@ -317,7 +317,9 @@ class RandomMaclaurinFeatures(FeatureMap):
         self.distribution = degree_distribution(p, mode, max_degree)
         self.p = float(p)
         self.max_degree = self.distribution.stop
-        self.check = bool(check)
+        if not isinstance(check, bool):  # never read "no" or 0 by its truth value
+            raise InputError(f"check: expected True or False, got {check!r} ({type(check).__name__})")
+        self.check = check
         self._groups_cache: list[tuple[int, int]] | None = None
         self._weights_cache: torch.Tensor | None = None
         if num_features is not None and mode == "released" and num_features < 2:

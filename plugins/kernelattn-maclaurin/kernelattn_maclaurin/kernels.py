@@ -417,6 +417,8 @@ def _to_sympy(a: Fraction | float) -> Any:
 
 def resolve_kernel(kernel: Any, options: dict[str, Any] | None = None) -> DotProductKernel:
     """A dot-product kernel instance from a registry name or an instance."""
+    if options is not None and not isinstance(options, dict):
+        raise InputError(f"kernel_options: expected a dict of the kernel's options, got {options!r}")
     options = dict(options or {})
     if isinstance(kernel, DotProductKernel):
         if options:

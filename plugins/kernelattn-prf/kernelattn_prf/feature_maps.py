@@ -376,8 +376,8 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
             raise InputError(f"rule: expected one of {list(adaptation.RULES)}, got {rule!r}")
         if isinstance(momentum, bool) or not isinstance(momentum, int | float) or not 0 < momentum <= 1:
             raise InputError(f"momentum: expected a number in (0, 1], got {momentum!r}")
-        if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps > 0:
-            raise InputError(f"eps: expected a positive number, got {eps!r}")
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < math.inf:
+            raise InputError(f"eps: expected a finite positive number, got {eps!r}")
         if (rule == "fixed") != (matrix is not None):
             raise InputError(
                 f"matrix: expected a matrix exactly when rule='fixed', got rule={rule!r}, matrix={matrix!r}"
@@ -554,6 +554,9 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
             return
         if not self.built:
             self.build(q.shape[-1])
+        for arg, x in (("q", q), ("k", k)):  # before any statistic is copied into A
+            if x.shape[-1] != self.head_dim:
+                raise InputError(f"{arg}: expected last dimension d = {self.head_dim}, got shape {tuple(x.shape)}")
         tracked = int(self.num_batches_tracked) > 0
         if not self.training:
             self._set_from_running() if tracked else self._set_identity()  # frozen

@@ -185,3 +185,16 @@ def test_prf_moments_single_sample_and_identity_fit() -> None:
     fm.fit(torch.randn(5, 2) + 3, torch.randn(5, 2))
     a_q, a_k = fm.matrices()
     assert torch.equal(a_q, torch.eye(2)) and torch.equal(a_k, torch.eye(2))
+
+
+@pytest.mark.parametrize("name", ["cexp", "hcexp"])
+@pytest.mark.parametrize("train", [True, False])
+def test_prf_adaptive_map_refuses_another_head_dim_naming_the_input(name: str, train: bool) -> None:
+    """Built for d = 16, given d = 8: refused before a statistic is copied into A (a
+    RuntimeError from ``copy_`` before)."""
+    import kernelattn_core as ka
+
+    est = ka.create(name, head_dim=16).train(train)
+    x = torch.randn(2, 2, 6, 8)
+    with pytest.raises(ka.InputError, match=r"q: expected last dimension d = 16, got shape \(2, 2, 6, 8\)"):
+        ka.kernel_attention(x, x, x, est)
