@@ -120,7 +120,7 @@ def kernel_attention(
             f"estimator: expected an AttentionEstimator (e.g. kernelattn_core.create('softmax')), "
             f"got {type(estimator).__name__}"
         )
-    if backend != "auto" and backend not in _BACKENDS:
+    if not isinstance(backend, str) or (backend != "auto" and backend not in _BACKENDS):
         raise InputError(f"backend: expected 'auto' or one of {sorted(_BACKENDS)}, got {backend!r}")
     if backend == "auto" or not isinstance(estimator, FeatureMapAttention):
         if backend not in ("auto", "torch"):

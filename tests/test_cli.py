@@ -171,6 +171,28 @@ def test_compare_unknown_estimator_is_a_clear_error(use_registry, capsys) -> Non
     assert "unknown class name 'nope'; available:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--seq-len", "-4"], "seq_len: expected an integer >= 1, got -4"),
+        (["--seq-len", "0"], "seq_len: expected an integer >= 1, got 0"),
+        (["--budgets", "0"], "budgets: expected an integer >= 1, got 0"),
+        (["--seeds", "-1"], "seeds: expected an integer >= 0, got -1"),
+        (["--min-run-time", "-1"], "min_run_time: expected a finite number of seconds > 0, got -1.0"),
+    ],
+)
+def test_compare_refuses_bad_numbers_before_any_row(use_registry, capsys, argv: list[str], match: str) -> None:  # type: ignore[no-untyped-def]
+    """A negative length crashed inside torch; a budget of 0 failed every row with exit 0."""
+    assert main(["compare", "--workload", "synthetic", "--estimators", "toy-trig", *argv]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_verify_refuses_an_unknown_rule(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["verify", "--rule", "NOSUCH", "elu"]) == 2  # it ran nothing: "0 passed, 0 failed", exit 0
+    err = capsys.readouterr().err
+    assert "--rule: ['NOSUCH'] is not a rule of the selected classes; theirs are ['EN001'" in err
+
+
 def test_default_estimators_leave_the_quadratic_ones_out() -> None:
     pytest.importorskip("kernelattn_sampling")
     from kernelattn_core import get_registry

@@ -198,6 +198,32 @@ def test_cli_refuses_bad_arguments_before_training(capsys) -> None:  # type: ign
     assert "nope" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["tasks", "--task", "imdb"])
+    # an estimator option error fails the command before any training (it failed its row
+    # only, exit 0, after the references had trained)
+    assert main(["tasks", "--estimator", "elu:nosuch=1", "--steps", "1", "--no-progress"]) == 2
+    assert "estimator 'elu:nosuch=1': create: unknown option(s) ['nosuch']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"estimators": ["prf:num_features=abc"]}, r"estimator 'prf:num_features=abc': num_features: expected an int"),
+        ({"recipe": {"nosuch": 1}}, r"recipe: unknown field\(s\) \['nosuch'\]; the fields are \['batch_size'"),
+        ({"recipe": {"lr": -1}}, r"lr: expected a finite number > 0, got -1"),
+        ({"recipe": {"batch_size": 0}}, r"batch_size: expected an integer >= 1, got 0"),
+        ({"seeds": [1.5]}, r"seeds: expected an integer >= 0, got 1.5"),
+    ],
+)
+def test_run_tasks_refuses_bad_arguments_before_training(kwargs: dict, match: str) -> None:
+    args = {"tasks": ["mqar"], "estimators": ["elu"], "steps": 1, "progress": False, **kwargs}
+    with pytest.raises(InputError, match=match):
+        run_tasks(**args)
+
+
+def test_run_tasks_takes_one_name_as_a_list_of_one() -> None:
+    records = run_tasks("mqar", "elu", steps=1, progress=False)  # not the characters 'm', 'q', ...
+    assert [r["estimator"] for r in records] == ["exact", "baseline:no-mixing", "elu"]
+    assert all(r["task"] == "mqar" and r["error"] is None for r in records)
 
 
 def test_cli_lists_every_task_and_preset() -> None:

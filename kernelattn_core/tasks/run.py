@@ -36,13 +36,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import InputError
+from ..errors import InputError, KernelAttnError
 from ..registry import get_registry
-from ..validation import check_device
+from ..validation import check_device, check_positive_int
 from . import get_task
 from .base import Task
 from .model import NO_MIXING
-from .train import TrainConfig, compile_backend, steps_to_fraction, train
+from .train import TrainConfig, build_model, compile_backend, steps_to_fraction, train
 
 #: an estimator "learned" a task when its accuracy beats the floor's by more than this
 LEARNED_MARGIN = 0.05
@@ -355,12 +355,15 @@ def run_tasks(
     """
     from ..report.progress import Progress
 
+    tasks, estimators = ([x] if isinstance(x, str) else x for x in (tasks, estimators))  # one name: a list of one
     task_names = list(tasks) if tasks else ["mqar"]
     chosen = [get_task(t) for t in task_names]
     if scale not in ("quick", "paper"):
         raise InputError(f"scale: expected 'quick' or 'paper', got {scale!r}")
     if not seeds:
         raise InputError("seeds: expected at least one seed, got none")
+    for seed in seeds:
+        check_positive_int("seeds", seed, 0)
     for b in budgets:
         if not isinstance(b, int) or isinstance(b, bool) or b < 1:
             raise InputError(f"budget: expected positive ints, got {b!r}")
@@ -383,6 +386,7 @@ def run_tasks(
         config = RECIPES[(task.name, scale)].updated(steps=steps, **(recipe or {}))
         for name in names:
             plan += [(task, name, b, config) for b in (budgets if has_budget(name) else [None])]
+    _check_buildable(plan, scale)  # an option error fails the call, not a row after the references trained
     total = sum(c.steps * len(seeds) for t, n, b, c in plan if cannot_run(n, t) is None)
 
     publish = _Publisher(on_record)
@@ -394,6 +398,23 @@ def run_tasks(
             _run_parallel(plan, seeds, scale, bar, jobs, publish, run_options)
     order = {(t.name, n, b): i for i, (t, n, b, _) in enumerate(plan)}
     return sorted(publish.records, key=lambda r: order[(r["task"], r["estimator"], r["budget"])])
+
+
+def _check_buildable(plan: list[tuple[Task, str, int | None, TrainConfig]], scale: str) -> None:
+    """Build every row's model once (CPU, seed 0; the first task of each estimator, budget
+    and direction) so that a bad estimator option is refused before any training, naming
+    the estimator: otherwise it would fail its row only, after the references trained."""
+    seen = set()
+    for task, name, budget, config in plan:
+        key = (name, budget, task.causal, config.d_model, config.num_heads)
+        if key in seen or cannot_run(name, task) is not None:
+            continue
+        seen.add(key)
+        options = _new_record(task, name, budget, config, (0,), scale, {"device": "cpu", "compile": False})["options"]
+        try:
+            build_model(task, _registry_name(name), config, scale, 0, options)
+        except KernelAttnError as exc:
+            raise InputError(f"estimator {name!r}: {exc}") from exc
 
 
 class _Publisher:

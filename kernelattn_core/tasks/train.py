@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
+from ..validation import check_positive_int
 from .base import EVAL_SEED_OFFSET, IGNORE, Task, TaskBatch
 from .model import TaskModel
 
@@ -56,8 +57,20 @@ class TrainConfig:
     curve_size: int = 128
 
     def updated(self, **changes: Any) -> TrainConfig:
-        """A copy with ``changes`` applied (``None`` values ignored)."""
-        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+        """A copy with ``changes`` applied (``None`` values ignored), each checked: a field
+        of this class, an integer >= 1 (``lr``: a finite number > 0)."""
+        names = {f.name for f in fields(self)}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise InputError(f"recipe: unknown field(s) {unknown}; the fields are {sorted(names)}")
+        changes = {k: v for k, v in changes.items() if v is not None}
+        for key, value in changes.items():
+            if key == "lr":
+                if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+                    raise InputError(f"lr: expected a finite number > 0, got {value!r}")
+            else:
+                check_positive_int(key, value)
+        return replace(self, **changes)
 
 
 def lr_factor(step: int, total: int, warmup_fraction: float = 0.1) -> float:

@@ -59,7 +59,7 @@ from ..claims import (
     UnbiasedAttention,
     UnbiasedKernelEstimate,
 )
-from ..errors import PluginError, UnknownNameError
+from ..errors import InputError, PluginError, UnknownNameError
 from ..interfaces.kernel import DotProductKernel, KernelFamily
 from ..registry import Entry, Registry, get_registry
 from .result import CheckResult
@@ -326,7 +326,13 @@ def run_cli(args: argparse.Namespace) -> int:
     from ..report.progress import Progress
 
     rules = set(getattr(args, "rule", None) or ())
-    pairs = [(e, c) for e, c in plan(args.names, level=args.level) if not rules or c.rule in rules]
+    every = list(plan(args.names, level=args.level))
+    known = {c.rule for _, c in every}
+    if rules - known:  # a typo would run nothing and report "0 passed, 0 failed"
+        raise InputError(
+            f"--rule: {sorted(rules - known)} is not a rule of the selected classes; theirs are {sorted(known)}"
+        )
+    pairs = [(e, c) for e, c in every if not rules or c.rule in rules]
     results = []
     start = time.perf_counter()
     with (
