@@ -20,9 +20,12 @@ def _load():  # type: ignore[no-untyped-def]
 
 def test_training_loop_learns_with_padding_and_bf16_autocast() -> None:
     ex = _load()
-    _, losses = ex.train(60, estimator="elu", log_every=0)
+    model, losses = ex.train(100, estimator="elu", log_every=0)
     assert all(torch.isfinite(torch.tensor(losses)))
-    assert sum(losses[-10:]) / 10 < 0.8 * sum(losses[:10]) / 10  # it learns
+    # it learns to copy: 0.19 after 100 steps (chance 1/15 = 0.07; with unit-variance
+    # embeddings tied to the output it stayed at 0.07, predicting one token, while its loss
+    # still fell from ~40 to chance)
+    assert ex.copy_accuracy(model) > 0.13
 
 
 # raised by dynamo inspecting tensors while it traces, not by the example
@@ -34,10 +37,11 @@ def test_training_loop_under_torch_compile() -> None:
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
 
 
-def test_step_decoding_equals_the_causal_forward() -> None:
+@pytest.mark.parametrize("estimator", ["elu", "softmax"])  # softmax: the module's key-value cache
+def test_step_decoding_equals_the_causal_forward(estimator: str) -> None:
     ex = _load()
     torch.manual_seed(0)
-    model = ex.TinyLM(16, width=32, heads=2, depth=2, estimator="elu").eval()
+    model = ex.TinyLM(16, width=32, heads=2, depth=2, estimator=estimator).eval()
     prompt = torch.tensor([[3, 7, 1, 12, 5, 9]])
     out = ex.generate(model, prompt, 5)
     with torch.no_grad():  # greedy decoding with the full causal forward, recomputed at every token
