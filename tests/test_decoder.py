@@ -156,6 +156,24 @@ def test_every_estimator_runs_forward_backward_and_generate(name: str) -> None:
     assert out.shape == (3, 12)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["softmax", "prf"])
+def test_converted_decoders_run_under_bf16_autocast(family: str, name: str) -> None:
+    """Under autocast Llama's rotary embedding gives float32 queries and keys beside
+    bfloat16 values (the estimator refused the mix); softmax stays close to the original."""
+    model = tiny(family, dtype=torch.float32)
+    converted = convert_attention(model, name, **options(name))
+    inputs = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        out = converted(**inputs).logits
+        ref = model(**inputs).logits
+        generated = generate(converted, inputs, 3)
+    assert torch.isfinite(out).all() and generated.shape == (3, inputs["input_ids"].shape[1] + 3)
+    if name == "softmax":
+        keep = inputs["attention_mask"].bool()
+        torch.testing.assert_close(out.float()[keep], ref.float()[keep], rtol=0.05, atol=0.05)
+
+
 def test_non_causal_estimators_are_refused_for_decoders() -> None:
     with pytest.raises(ka.InputError, match="estimator: 'lara' is non-causal only"):
         convert_attention(tiny("gpt2"), "lara", num_features=8)

@@ -316,6 +316,9 @@ def kernel_attention_forward(
     groups = h // key.shape[1]
     k, v = _repeat_kv(key, groups), _repeat_kv(value, groups)  # [B, H, M, d]
     m = k.shape[2]
+    if not query.dtype == k.dtype == v.dtype:  # autocast: the rotary embedding leaves q, k in float32, v in bfloat16
+        common = torch.promote_types(torch.promote_types(query.dtype, k.dtype), v.dtype)
+        query, k, v = query.to(common), k.to(common), v.to(common)
     kpm, causal = _masks(attention_mask, module, b, n, m)
     _check_scaling(estimator, scaling, d)
     if call.capture is not None:  # attention_inputs: what the estimator would get
