@@ -49,7 +49,7 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--seq-len", nargs="+", type=int, metavar="N", help="synthetic lengths (256)")
     c.add_argument("--causal", action="store_true")
     c.add_argument("--seeds", nargs="+", type=int, metavar="S", help="seeds (default: 0 1 2)")
-    c.add_argument("--regime", choices=REGIME_CHOICES, help="synthetic regime (default: peaked; --all: all)")
+    c.add_argument("--regime", choices=REGIME_CHOICES, help="synthetic regime (default: gauss-0.5; --all: all)")
     c.add_argument(
         "--workload",
         choices=("auto", "synthetic", "minilm"),
