@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,6 +128,12 @@ class KernelAttention(nn.Module):
         check_bool("bias", bias)
         if embed_dim % num_heads:
             raise InputError(f"num_heads: expected a divisor of embed_dim = {embed_dim}, got {num_heads}")
+        if not isinstance(estimator, str):
+            raise InputError(
+                f"estimator: expected a registry name (a str such as 'prf'; options as keyword arguments), "
+                f"got {type(estimator).__name__}"
+            )
+        _refuse_multihead_only(estimator_options)
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.head_dim = embed_dim // num_heads
         for name, width in (("kdim", kdim), ("vdim", vdim)):
@@ -177,6 +184,13 @@ class KernelAttention(nn.Module):
             raise InputError(f"mha: expected a torch.nn.MultiheadAttention, got {type(mha).__name__}")
         if mha.bias_k is not None or mha.add_zero_attn:
             raise InputError("mha: add_bias_kv and add_zero_attn are not supported by kernelized attention")
+        if mha.dropout:
+            warnings.warn(
+                f"mha: dropout={mha.dropout} of the attention probabilities is not carried over (kernelized "
+                "attention forms no weights); add dropout on the output if training needs it",
+                UserWarning,
+                stacklevel=2,
+            )
         ref = mha.out_proj.weight
         out = cls(
             mha.embed_dim,
@@ -459,6 +473,27 @@ def causal_from_attn_mask(attn_mask: torch.Tensor | None, n: int, m: int, batch_
 
 
 # ---------------------------------------------------------------------- helpers
+#: nn.MultiheadAttention arguments and the value that means "not used"
+_MULTIHEAD_ONLY = {"add_bias_kv": False, "add_zero_attn": False, "dropout": 0.0}
+
+
+def _refuse_multihead_only(options: dict[str, Any]) -> None:
+    """Pop :class:`torch.nn.MultiheadAttention`'s own arguments from ``options`` when they
+    ask for nothing (generic code passes ``dropout=0.0``), refuse them when they ask for
+    what kernelized attention does not do (they would reach the estimator as unknown
+    options, and the error would blame it)."""
+    for name, off in _MULTIHEAD_ONLY.items():
+        if name not in options:
+            continue
+        value = options.pop(name)
+        if value != off or isinstance(value, bool) != isinstance(off, bool):
+            what = "applies no dropout to attention weights (it forms none)" if name == "dropout" else "adds no key"
+            raise InputError(
+                f"{name}: nn.MultiheadAttention's {name}={value!r} is not supported: KernelAttention {what}; "
+                f"expected {off!r} or leave it out"
+            )
+
+
 def build_estimator(name: str, head_dim: int, num_heads: int, options: dict[str, Any]) -> nn.Module:
     """``create(name, **options)`` with ``head_dim`` and ``num_heads`` added when the
     estimator (or, for a feature-map name, the map) accepts them."""

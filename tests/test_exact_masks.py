@@ -146,3 +146,14 @@ def test_rows_that_see_no_bad_value_keep_their_gradients(kernel: str, where: str
     for a, b in zip(g_d, g_c):
         assert bool(torch.isfinite(a[..., keep, :]).all())
         torch.testing.assert_close(a[..., keep, :], b[..., keep, :], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["softmax", "exact"])
+def test_exact_takes_a_seed_and_ignores_it(name: str) -> None:
+    """A loop that gives every estimator one seed reaches the reference too (it raised
+    "kernel 'softmax' takes no options"); the seed is checked, and changes nothing."""
+    q, k, v = qkv()
+    out = ka.create(name, seed=0)(q, k, v, causal=True)
+    torch.testing.assert_close(out, ka.create(name)(q, k, v, causal=True), rtol=0, atol=0)
+    with pytest.raises(ka.InputError, match="seed: expected an integer >= 0, got -1"):
+        ka.create(name, seed=-1)

@@ -251,3 +251,18 @@ def test_constructor_and_dtype_refusals_name_the_argument() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts: no refusal
         out, _ = ka.KernelAttention(8, 2, batch_first=True)(torch.randn(2, 3, 8).bfloat16())
     assert out.shape == (2, 3, 8)
+
+
+def test_multihead_only_arguments_are_refused_by_the_module_not_blamed_on_the_estimator() -> None:
+    for kwargs, match in (
+        ({"add_bias_kv": True}, r"add_bias_kv: nn.MultiheadAttention's add_bias_kv=True is not supported"),
+        ({"add_zero_attn": True}, r"add_zero_attn: nn.MultiheadAttention's add_zero_attn=True is not supported"),
+        ({"dropout": 0.1}, r"dropout: nn.MultiheadAttention's dropout=0.1 is not supported: KernelAttention applies"),
+    ):
+        with pytest.raises(ka.InputError, match=match):
+            ka.KernelAttention(16, 2, "prf", **kwargs)
+    ka.KernelAttention(16, 2, "prf", dropout=0.0, add_bias_kv=False, add_zero_attn=False)  # asking for nothing
+    with pytest.raises(ka.InputError, match=r"estimator: expected a registry name .*got FeatureMapAttention"):
+        ka.KernelAttention(16, 2, ka.create("prf", num_features=8))  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match=r"mha: dropout=0.1 of the attention probabilities is not carried over"):
+        ka.KernelAttention.from_multihead(nn.MultiheadAttention(16, 2, dropout=0.1), "prf")

@@ -103,6 +103,10 @@ class ExactAttention(AttentionEstimator):
         See :class:`~kernelattn_core.interfaces.AttentionEstimator`.
     backend : {"auto", "sdpa", "naive"}
         Which path computes softmax attention.
+    seed : int, optional
+        Accepted and unused (exact attention draws nothing), as the estimators without
+        random features accept it: a loop that gives every estimator one seed includes
+        the reference.
     **kernel_options
         Passed to the kernel class when ``kernel`` is a class or a name.
     """
@@ -117,9 +121,12 @@ class ExactAttention(AttentionEstimator):
         *,
         scale: float | None = None,
         backend: str = "auto",
+        seed: int | None = None,
         **kernel_options: Any,
     ) -> None:
         super().__init__(scale=scale)
+        if seed is not None:
+            check_positive_int("seed", seed, 0)
         self.kernel = resolve_kernel(kernel, kernel_options)
         if backend not in ("auto", "sdpa", "naive"):
             raise InputError(f"backend: expected 'auto', 'sdpa' or 'naive', got {backend!r}")
