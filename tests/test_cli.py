@@ -295,3 +295,22 @@ def test_compare_summary_names_a_best_only_among_rows_that_beat_the_baseline() -
     ]
     best = {r["budget"]: r["best"] for r in summary(rows)}
     assert best == {16: "none beats mean-v", 64: "b"}
+
+
+def test_compare_summary_without_budgeted_rows_and_with_softmax_as_a_reference() -> None:
+    """Only estimators without a budget: the winner was never placed (it looped over no
+    budgets), so the summary said "none beats mean-v" beside a row marked as beating it;
+    ``softmax`` is exact attention under its kernel's name: a reference, like ``exact``."""
+
+    def row(name: str, error: float, beats: bool | None) -> dict:
+        return {"estimator": name, "regime": "r", "seq_len": 8, "budget": None, "target": "softmax",
+                "attn_rel_error": error, "beats_mean_v": beats, "time_ms": 1.0, "error": None}  # fmt: skip
+
+    rows = [row("baseline:mean-v", 0.4, None), row("softmax", 0.0, True), row("elu", 0.3, True)]
+    assert [(r["budget"], r["best"]) for r in summary(rows)] == [(None, "elu")]
+    assert [r["best"] for r in summary(rows[:2])] == ["none beats mean-v"]
+
+
+def test_compare_refuses_synthetic_options_on_the_minilm_workload(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["compare", "--workload", "minilm", "--regime", "peaked", "--estimators", "elu"]) == 2
+    assert "--regime/--seq-len: they choose the synthetic workload" in capsys.readouterr().err

@@ -440,7 +440,7 @@ def summary(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     Rows are compared like for like: an estimator of the Gaussian kernel measured against
     exact Gaussian-kernel attention does not compete with softmax estimators.
 
-    Exact attention, the oracle and the baseline are left out (they are references, not
+    Exact attention (``exact`` or ``softmax``), the oracle and the baseline are left out (they are references, not
     estimators), and so is every row that does not beat the ``baseline:mean-v`` of its
     workload (``beats_mean_v`` false): a "best" that returns less than the mean of the
     values would mislead. Rows without a budget compete at every budget. Where no row beats
@@ -468,12 +468,12 @@ def summary(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         if (
             r["error"]
             or r["attn_rel_error"] is None
-            or r["estimator"] in ("exact", BASELINE)
+            or r["estimator"] in ("exact", "softmax", BASELINE)  # softmax: exact attention by its kernel's name
             or r["estimator"].startswith("oracle:")
             or r.get("beats_mean_v") is False
         ):
             continue
-        for b in [r["budget"]] if r["budget"] is not None else budgets:
+        for b in [r["budget"]] if r["budget"] is not None else budgets or [None]:  # no budgeted row: one entry
             key = (r["regime"], r["seq_len"], b, r["target"])  # like for like: one winner per target
             if (
                 key not in best

