@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,7 +167,9 @@ class KernelAttention(nn.Module):
         ----------
         mha : torch.nn.MultiheadAttention
             Its width, heads, ``batch_first``, ``kdim``/``vdim``, bias, dtype and device
-            are carried over, and its projection weights copied.
+            are carried over, and its projection weights copied. Its ``dropout`` (of the
+            attention probabilities) is not: kernelized attention forms no weights (add
+            dropout on the output where training needs it).
         estimator : str
             Registry name (see :func:`create`).
         **options
@@ -184,13 +185,6 @@ class KernelAttention(nn.Module):
             raise InputError(f"mha: expected a torch.nn.MultiheadAttention, got {type(mha).__name__}")
         if mha.bias_k is not None or mha.add_zero_attn:
             raise InputError("mha: add_bias_kv and add_zero_attn are not supported by kernelized attention")
-        if mha.dropout:
-            warnings.warn(
-                f"mha: dropout={mha.dropout} of the attention probabilities is not carried over (kernelized "
-                "attention forms no weights); add dropout on the output if training needs it",
-                UserWarning,
-                stacklevel=2,
-            )
         ref = mha.out_proj.weight
         out = cls(
             mha.embed_dim,

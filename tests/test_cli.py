@@ -314,3 +314,16 @@ def test_compare_summary_without_budgeted_rows_and_with_softmax_as_a_reference()
 def test_compare_refuses_synthetic_options_on_the_minilm_workload(capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["compare", "--workload", "minilm", "--regime", "peaked", "--estimators", "elu"]) == 2
     assert "--regime/--seq-len: they choose the synthetic workload" in capsys.readouterr().err
+
+
+def test_convert_budget_and_window_conflicting_with_an_option_are_refused() -> None:
+    import argparse
+
+    from kernelattn_core.cli.convert_cmd import estimator_options
+    from kernelattn_core.errors import InputError
+
+    args = argparse.Namespace(option=["num_features=8"], budget=16, window=None)
+    with pytest.raises(InputError, match="--budget: 16 conflicts with --option num_features=8; give one of them"):
+        estimator_options(args)  # 16 was used, silently
+    args = argparse.Namespace(option=["window=4", "num_features=16"], budget=16, window=4)
+    assert estimator_options(args) == {"window": 4, "num_features": 16}  # the same answer twice is fine

@@ -112,6 +112,13 @@ def test_convert_refuses_a_model_without_attention() -> None:
         convert_attention(nn.Linear(3, 3))
 
 
+def test_convert_says_when_the_model_is_converted_already() -> None:
+    layer = nn.TransformerEncoderLayer(16, 2, batch_first=True)
+    converted = convert_attention(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), "elu")
+    with pytest.raises(ka.InputError, match=r"every attention of this TransformerEncoder is converted already \(2"):
+        convert_attention(converted, "prf")  # it said "no self-attention to convert"
+
+
 def test_seed_option_gives_each_layer_its_own_draws_reproducibly() -> None:
     a = convert_attention(_encoder(), "prf", num_features=8, seed=3)
     b = convert_attention(_encoder(), "prf", num_features=8, seed=3)

@@ -264,5 +264,3 @@ def test_multihead_only_arguments_are_refused_by_the_module_not_blamed_on_the_es
     ka.KernelAttention(16, 2, "prf", dropout=0.0, add_bias_kv=False, add_zero_attn=False)  # asking for nothing
     with pytest.raises(ka.InputError, match=r"estimator: expected a registry name .*got FeatureMapAttention"):
         ka.KernelAttention(16, 2, ka.create("prf", num_features=8))  # type: ignore[arg-type]
-    with pytest.warns(UserWarning, match=r"mha: dropout=0.1 of the attention probabilities is not carried over"):
-        ka.KernelAttention.from_multihead(nn.MultiheadAttention(16, 2, dropout=0.1), "prf")

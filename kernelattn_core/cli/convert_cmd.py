@@ -199,10 +199,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def estimator_options(args: argparse.Namespace) -> dict[str, Any]:
     """The estimator options from ``--budget``, ``--window`` and ``--option``."""
     options: dict[str, Any] = dict(parse_option(o) for o in args.option)
-    if args.budget is not None:
-        options["num_features"] = args.budget
-    if args.window is not None:
-        options["window"] = args.window
+    for flag, key, value in (("--budget", "num_features", args.budget), ("--window", "window", args.window)):
+        if value is None:
+            continue
+        if key in options and options[key] != value:  # two answers to one question: say so, pick neither
+            raise InputError(f"{flag}: {value} conflicts with --option {key}={options[key]}; give one of them")
+        options[key] = value
     return options
 
 

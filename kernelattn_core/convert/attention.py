@@ -109,8 +109,10 @@ def convert_attention(
     _check_options(estimator, options)
     out = copy.deepcopy(model)
     targets: list[tuple[str, nn.Module]] = []
+    converted = 0
     for name, module in out.named_modules():
         if isinstance(module, _CONVERTED):
+            converted += 1
             continue
         if isinstance(module, nn.MultiheadAttention):
             if not cross_attention and name.split(".")[-1] == "multihead_attn":
@@ -118,6 +120,11 @@ def convert_attention(
             targets.append((name, module))
         elif is_hf_self_attention(name, module) or is_hf_decoder_attention(name, module):
             targets.append((name, module))
+    if not targets and converted:
+        raise InputError(
+            f"model: every attention of this {type(model).__name__} is converted already ({converted} layers); "
+            "convert the original model again with another estimator"
+        )
     if not targets:
         raise InputError(
             f"model: no self-attention to convert in {type(model).__name__} (expected torch.nn.MultiheadAttention, "
