@@ -327,3 +327,12 @@ def test_convert_budget_and_window_conflicting_with_an_option_are_refused() -> N
         estimator_options(args)  # 16 was used, silently
     args = argparse.Namespace(option=["window=4", "num_features=16"], budget=16, window=4)
     assert estimator_options(args) == {"window": 4, "num_features": 16}  # the same answer twice is fine
+
+
+def test_version(capsys) -> None:  # type: ignore[no-untyped-def]
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])  # it said "the following arguments are required: COMMAND"
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kernelattn {version('kernelattn-core')}"

@@ -45,6 +45,7 @@ def _command(argv: Sequence[str]) -> str | None:
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The parser; only the subcommand named in ``argv`` is imported (every one when ``None``)."""
     parser = argparse.ArgumentParser(prog="kernelattn", description="Kernelized and random-feature attention.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     wanted = None if argv is None else _command(argv)
     for name, (module, help_line) in SUBCOMMANDS.items():
@@ -53,6 +54,16 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         else:
             sub.add_parser(name, help=help_line)  # a stub: shows in --help, never parses
     return parser
+
+
+def _version() -> str:
+    """The installed distribution's version (importlib.metadata: nothing heavy imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kernelattn-core")
+    except PackageNotFoundError:  # pragma: no cover - a source tree that was never installed
+        return "(not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
