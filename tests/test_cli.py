@@ -336,3 +336,10 @@ def test_version(capsys) -> None:  # type: ignore[no-untyped-def]
         main(["--version"])  # it said "the following arguments are required: COMMAND"
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"kernelattn {version('kernelattn-core')}"
+
+
+def test_csv_cells_holding_a_dict_are_json(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["plugins", "--format", "csv"]) == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    elu = next(r for r in rows if r["name"] == "elu")
+    assert json.loads(elu["flags"])["positive"] is True  # it was Python's repr: {'positive': True, ...}

@@ -83,12 +83,20 @@ def parse_option(text: str) -> tuple[str, Any]:
     return key.replace("-", "_"), value
 
 
+def _plain(text: str | None) -> str:
+    """A docstring as ``--help`` text: reStructuredText roles and literals unmarked."""
+    import re
+
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", lambda m: m.group(1).rsplit(".", 1)[-1], text or "")
+    return text.replace("``", "")
+
+
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Register ``convert`` on the subparsers ``sub``."""
     p = sub.add_parser(
         "convert",
         help="convert a pretrained model's attention, fit it to the original, report per-layer error",
-        description=__doc__,
+        description=_plain(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -117,11 +125,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="evaluation texts: files or names (held-out, legal, narrative, shipped, fitting); default: the three "
         "held-out genres held-out (standard-library documentation), legal (a contract) and narrative (a story)",
     )
-    p.add_argument("--steps", type=int, default=200, help="Adam steps per layer (0: no fitting)")
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--steps", type=int, default=200, help="Adam steps per layer (0: no fitting; 200)")
+    p.add_argument("--lr", type=float, default=1e-2, help="learning rate of the per-layer fit (0.01)")
     p.add_argument("--loss", choices=("ce", "mse"), default="ce")
     p.add_argument("--rows", type=int, default=128, help="query rows per fitting step")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of every draw: the estimators' features, the fitting passages and rows (0)",
+    )
     p.add_argument(
         "--max-length",
         type=int,
@@ -181,15 +194,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--e2e-batch", type=int, default=1, action=_Given, help="passages per end-to-end step")
     p.add_argument("--lora-rank", type=int, default=0, help="rank of q/k/v adapters in the end-to-end stage (0: none)")
     p.add_argument("--anchor", type=float, default=1e-3, help="pull of the end-to-end stage towards its start (L2-SP)")
-    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="model dtype (float32)")
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:1, ... (cpu)")
     p.add_argument(
         "--save",
         metavar="FILE|DIR",
         help="encoder: save the converted model's state_dict to FILE (torch.save); decoder: save_pretrained into "
         "DIR (with the tokenizer), which kernelattn_core.convert.from_pretrained reloads",
     )
-    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--format", choices=("table", "json"), default="table", help="how the report is written (table)")
     p.add_argument("--output", metavar="FILE", help="write the report here instead of stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)

@@ -52,8 +52,18 @@ def to_csv(records: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     for r in records:
-        writer.writerow({c: ("" if r.get(c) is None else r.get(c)) for c in columns})
+        writer.writerow({c: _csv_cell(r.get(c)) for c in columns})
     return buffer.getvalue().rstrip("\n")
+
+
+def _csv_cell(value: Any) -> Any:
+    """A CSV cell: empty for ``None``, JSON for a dict or a list (not Python's repr, which
+    other tools cannot read), the value itself otherwise."""
+    if value is None:
+        return ""
+    if isinstance(value, dict | list | tuple):
+        return json.dumps(value, default=str)
+    return value
 
 
 def to_json(records: Sequence[dict[str, Any]]) -> str:
