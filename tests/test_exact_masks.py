@@ -157,3 +157,26 @@ def test_exact_takes_a_seed_and_ignores_it(name: str) -> None:
     torch.testing.assert_close(out, ka.create(name)(q, k, v, causal=True), rtol=0, atol=0)
     with pytest.raises(ka.InputError, match="seed: expected an integer >= 0, got -1"):
         ka.create(name, seed=-1)
+
+
+def test_a_row_whose_kernel_overflows_is_nan_and_sends_no_gradient_back() -> None:
+    """A finite but huge future key (float32 1e30) overflows ``(1 + q.k)^p`` in the rows
+    that see it: they are NaN, as rows that see a non-finite input are, and the backward
+    of their normalisation (0 * inf) no longer reaches the earlier keys' gradients."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 6, 8) for _ in range(3))
+    est = ka.create("polynomial")
+    grads = []
+    for huge in (False, True):
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        if huge:
+            with torch.no_grad():
+                kk[:, :, 4:] = 1e30
+        out = ka.kernel_attention(qq, kk, vv, est, causal=True)
+        out[:, :, :4].sum().backward()
+        grads.append((out.detach(), qq.grad, kk.grad[:, :, :4], vv.grad[:, :, :4]))
+    (clean, *clean_grads), (dirty, *dirty_grads) = grads
+    torch.testing.assert_close(dirty[:, :, :4], clean[:, :, :4])
+    assert torch.isnan(dirty[:, :, 4:]).all()
+    for a, b in zip(dirty_grads, clean_grads):
+        torch.testing.assert_close(a, b)
