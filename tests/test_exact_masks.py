@@ -159,13 +159,15 @@ def test_exact_takes_a_seed_and_ignores_it(name: str) -> None:
         ka.create(name, seed=-1)
 
 
-def test_a_row_whose_kernel_overflows_is_nan_and_sends_no_gradient_back() -> None:
-    """A finite but huge future key (float32 1e30) overflows ``(1 + q.k)^p`` in the rows
-    that see it: they are NaN, as rows that see a non-finite input are, and the backward
-    of their normalisation (0 * inf) no longer reaches the earlier keys' gradients."""
+@pytest.mark.parametrize("kernel", ["polynomial", "matern"])
+def test_a_row_whose_kernel_overflows_is_nan_and_sends_no_gradient_back(kernel: str) -> None:
+    """A finite but huge future key (float32 1e30) overflows ``(1 + q.k)^p`` or Matern's
+    ``(1 + z) e^-z`` in the rows that see it: they are NaN, as rows that see a non-finite
+    input are, and the backward of their normalisation (0 * inf) no longer reaches the
+    earlier keys' gradients; Matern's masked pairs hold ``q - k = 0`` before ``g``."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 2, 6, 8) for _ in range(3))
-    est = ka.create("polynomial")
+    est = ka.create(kernel)
     grads = []
     for huge in (False, True):
         qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
@@ -174,7 +176,8 @@ def test_a_row_whose_kernel_overflows_is_nan_and_sends_no_gradient_back() -> Non
                 kk[:, :, 4:] = 1e30
         out = ka.kernel_attention(qq, kk, vv, est, causal=True)
         out[:, :, :4].sum().backward()
-        grads.append((out.detach(), qq.grad, kk.grad[:, :, :4], vv.grad[:, :, :4]))
+        # positions before the huge key (the rows that see it may pass NaN to their own query)
+        grads.append((out.detach(), qq.grad[:, :, :4], kk.grad[:, :, :4], vv.grad[:, :, :4]))
     (clean, *clean_grads), (dirty, *dirty_grads) = grads
     torch.testing.assert_close(dirty[:, :, :4], clean[:, :, :4])
     assert torch.isnan(dirty[:, :, 4:]).all()

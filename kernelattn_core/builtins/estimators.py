@@ -163,14 +163,6 @@ class ExactAttention(AttentionEstimator):
         if logits is None:
             w = self.kernel.row_scaled_matrix(q, k, allowed)  # [B, H, N, M], 0 outside allowed
             den = w.sum(-1, keepdim=True)
-            # a row whose kernel values overflow (a finite but huge key: (1 + q.k)^p) is NaN,
-            # as a row that sees a non-finite input is; it sends no gradient back, where the
-            # backward of its normalisation would be 0 * inf for every key it sees (earlier
-            # keys included, a causal row never seeing later ones)
-            # (tensor operations only: no value read back, nothing for a compiled graph to break on)
-            overflow = ~torch.isfinite(den)  # [B, H, N, 1]
-            w, den = w.masked_fill(overflow, 0.0), den.masked_fill(overflow, 0.0)
-            poison = overflow.squeeze(-1) if poison is None else poison | overflow.squeeze(-1)
         else:
             if allowed is not None:
                 logits = logits.masked_fill(~allowed, float("-inf"))
@@ -178,6 +170,13 @@ class ExactAttention(AttentionEstimator):
             top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
             w = (logits - top).exp()
             den = w.sum(-1, keepdim=True)
+        # a row whose kernel values overflow (a finite but huge key: (1 + q.k)^p, or Matern's
+        # (1 + z) e^-z at z = inf) is NaN, as a row that sees a non-finite input is; it sends
+        # no gradient back, where the backward of its normalisation would be 0 * inf for every
+        # key it sees, earlier ones included (tensor operations only: nothing read back)
+        overflow = ~torch.isfinite(den)  # [B, H, N, 1]
+        w, den = w.masked_fill(overflow, 0.0), den.masked_fill(overflow, 0.0)
+        poison = overflow.squeeze(-1) if poison is None else poison | overflow.squeeze(-1)
         out = _weighted_values(w, v32, allowed) / torch.where(den == 0, torch.ones_like(den), den)
         return poison_rows(out, poison).to(v.dtype)
 

@@ -208,3 +208,13 @@ class ShiftInvariantKernel(Kernel):
     def _evaluate(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         delta = q.unsqueeze(-2) - k.unsqueeze(-3)  # [..., N, M, d]
         return self.g(delta)
+
+    def masked_matrix(self, q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        """See :meth:`Kernel.masked_matrix`; the difference :math:`q - k` is set to 0 at
+        disallowed pairs before :math:`g` (a future key of 1e30 gives :math:`g = \\infty
+        \\cdot 0` there, whose backward would reach the query's gradient)."""
+        if allowed is None:
+            return self(q, k)
+        self(q[..., :0, :], k[..., :0, :])  # argument checks only (no pair)
+        delta = (q.unsqueeze(-2) - k.unsqueeze(-3)).masked_fill(~allowed.unsqueeze(-1), 0.0)  # [..., N, M, d]
+        return self.g(delta).masked_fill(~allowed, 0.0)
