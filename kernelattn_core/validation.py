@@ -74,11 +74,15 @@ def check_scale(scale: object) -> float | None:
     """Check the attention ``scale``: ``None`` (meaning :math:`1/\\sqrt{d}`) or a finite number > 0."""
     if scale is None:
         return None
-    if isinstance(scale, bool) or not isinstance(scale, int | float):
-        raise InputError(f"scale: expected a positive finite number or None (1/sqrt(d)), got {scale!r}")
-    if not math.isfinite(scale) or scale <= 0:
-        raise InputError(f"scale: expected a positive finite number or None (1/sqrt(d)), got {scale!r}")
-    return scale
+    return check_positive_finite("scale", scale, "a positive finite number or None (1/sqrt(d))")
+
+
+def check_positive_finite(name: str, value: object, expected: str = "a finite number > 0") -> float:
+    """Check that ``value`` is a finite int or float > 0 (bools, NaN and infinities are
+    refused); the error says ``{name}: expected {expected}, got ...``."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise InputError(f"{name}: expected {expected}, got {value!r}")
+    return value
 
 
 def check_key_padding_mask(mask: object, batch: int, keys: int, device: torch.device) -> torch.Tensor | None:

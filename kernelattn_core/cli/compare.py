@@ -47,12 +47,11 @@ import torch
 from ..api import create
 from ..builtins.estimators import ExactAttention, FeatureMapAttention
 from ..builtins.kernels import SoftmaxKernel
-from ..errors import InputError
 from ..interfaces.kernel import Kernel
 from ..registry import get_registry
 from ..report.measure import benchmark_time, peak_memory
 from ..report.progress import Progress
-from ..validation import check_positive_int
+from ..validation import check_positive_finite, check_positive_int
 
 HEAD_DIM = 64
 REGIMES: dict[str, float | None] = {"unit": None, "gauss-0.5": 0.5, "gauss-1.0": 1.0, "peaked": 2.0}
@@ -264,8 +263,7 @@ def run_compare(
     ):
         for value in values:
             check_positive_int(name, value, minimum)
-    if isinstance(min_run_time, bool) or not isinstance(min_run_time, int | float) or not 0 < min_run_time < math.inf:
-        raise InputError(f"min_run_time: expected a finite number of seconds > 0, got {min_run_time!r}")
+    check_positive_finite("min_run_time", min_run_time, "a finite number of seconds > 0")
     if workload_name == "minilm":
         real = minilm_cases(texts, max_length=max_length, max_sequences=max_sequences)
         groups = [(c.regime, c.q.shape[-2], [c for _ in seeds]) for c in real]

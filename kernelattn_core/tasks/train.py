@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
-from ..validation import check_positive_int
+from ..validation import check_positive_finite, check_positive_int
 from .base import EVAL_SEED_OFFSET, IGNORE, Task, TaskBatch
 from .model import TaskModel
 
@@ -66,8 +66,7 @@ class TrainConfig:
         changes = {k: v for k, v in changes.items() if v is not None}
         for key, value in changes.items():
             if key == "lr":
-                if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-                    raise InputError(f"lr: expected a finite number > 0, got {value!r}")
+                check_positive_finite(key, value)
             else:
                 check_positive_int(key, value)
         return replace(self, **changes)
