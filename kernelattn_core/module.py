@@ -298,13 +298,14 @@ class KernelAttention(nn.Module):
             if is_causal and not mask_causal:
                 raise InputError("is_causal: True was given with an attn_mask that is not the causal mask")
             causal = mask_causal or (is_causal is True)
-        if kpm is not None:  # before the projections: their weight gradients sum over every row
+        if kpm is not None:  # before the projections (their weight gradients sum over every row), so
+            # that nothing a padded row holds (NaN included: 0 * nan is nan) reaches an output or a
+            # gradient; the projected rows are then the bias, finite, and masked by the estimator
             pad = kpm[:, :, None]  # [B, M, 1]
             key, value = key.masked_fill(pad, 0.0), value.masked_fill(pad, 0.0)
         q = self.q_proj(query).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, N, Dh]
         k = self.k_proj(key).view(b, m, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, M, Dh]
         v = self.v_proj(value).view(b, m, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, M, Dh]
-        k, v = zero_padded(k, v, kpm)
         return q, k, v, kpm, causal
 
     def _merge(self, out: torch.Tensor) -> torch.Tensor:
