@@ -731,11 +731,13 @@ def test_gpu_fused_prf_matches_torch_backend(dtype, causal):
     out = ka.kernel_attention(q, k, v, est, causal=causal, backend="triton")
     assert est.last_backend == "triton"
     ref = ka.kernel_attention(q.float(), k.float(), v.float(), est, causal=causal, backend="torch")
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    # relative RMS: the causal first row's query gradient vanishes in exact arithmetic (one
+    # key: the output is v_0 whatever q_0), so element-wise it is rounding noise alone
     (gq,) = torch.autograd.grad(out.float().square().sum(), q)
     (rq,) = torch.autograd.grad(ref.square().sum(), q)
-    torch.testing.assert_close(gq.float(), rq.float(), rtol=10 * tol, atol=10 * tol)
+    errs = [((a.double() - b.double()).norm() / b.double().norm()).item() for a, b in ((out, ref), (gq, rq))]
+    bound = (1e-5, 1e-4) if dtype == torch.float32 else (1e-2, 5e-2)
+    assert errs[0] < bound[0] and errs[1] < bound[1], f"relative RMS output {errs[0]:.2e}, dq {errs[1]:.2e}"
 
 
 @gpu
