@@ -371,7 +371,7 @@ class KernelAttention(nn.Module):
         else:
             state = KVCache(q, k, v, kpm, owner)
         out = self.estimator(state.q, state.k, state.v, causal=True, key_padding_mask=state.key_padding_mask)
-        return self._merge(out[:, :, -q.shape[2] :]), state
+        return self._merge(out[:, :, out.shape[2] - q.shape[2] :]), state  # (-0: would be every row)
 
     def extra_repr(self) -> str:
         return (

@@ -344,7 +344,9 @@ class FeatureMapAttention(AttentionEstimator):
         q, k = self._pre(q, k, mask, True)
         fm.prepare(q, k, key_padding_mask=mask, causal=True)
         phi_q, phi_k = fm.raw_features(q, query=True), fm.raw_features(k, query=False)
-        backend = select_backend(Problem(q.device, q.dtype, fm.log_space, True, torch.is_grad_enabled()), self.backend)
+        problem = Problem(q.device, q.dtype, fm.log_space, True, torch.is_grad_enabled())
+        # no new position: the torch backend's step carries the state as it is (no kernel launch)
+        backend = select_backend(problem, self.backend if q.shape[2] else "torch")
         self.last_backend = backend.name if backend.load_step is not None else "torch"
         num, den, state = attend_step(
             backend,

@@ -127,7 +127,7 @@ class KernelStateLayer(CacheLayerMixin):
         if q.shape[2] == 1 and getattr(estimator, "name", None) == "exact":  # one query: all earlier keys, no mask
             return estimator(q, s.k, s.v, causal=False, key_padding_mask=s.key_padding_mask)
         out = estimator(s.q, s.k, s.v, causal=True, key_padding_mask=s.key_padding_mask)
-        return out[:, :, -q.shape[2] :]
+        return out[:, :, out.shape[2] - q.shape[2] :]  # (-0: would be every row)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` of the mask ``transformers`` builds before the call:

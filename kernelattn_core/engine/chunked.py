@@ -695,6 +695,8 @@ def prefix_stabiliser(top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     same with the positions before the first valid key given the first finite value
     (their rows are exactly zero whatever ``m`` is, and ``m`` stays non-decreasing; 0 when
     no key is valid). Tensor operations only: the eager call and the compile form share it."""
+    if top.shape[-1] == 0:  # no key (a decoding step of no new position)
+        return top, top
     m_raw = top.cummax(-1).values
     finite = torch.isfinite(m_raw)
     first = torch.where(finite, m_raw, torch.full_like(m_raw, float("inf"))).amin(-1, keepdim=True)
@@ -844,9 +846,14 @@ def prepare_causal(
         if state is not None and state.m is not None:
             m_raw = torch.maximum(m_raw, state.m)  # the prefix continues from earlier calls
         m_raw, m = prefix_stabiliser(m_raw)
-        m_out = m_raw[..., -1:]
         fk = (lk - m.unsqueeze(-1)).exp_()  # [B, H, N, D], entries <= 1, dropped keys 0
-        m0 = m[..., :1]
+        if n:
+            m_out, m0 = m_raw[..., -1:], m[..., :1]
+        else:  # no new position (an empty decoding step): the state is carried as it is
+            m_out = m0 = phi_k.new_full((b, h, 1), float("-inf")).detach()
+            if state is not None and state.m is not None:
+                m_out = m0 = state.m
+            m0 = torch.where(torch.isfinite(m0), m0, torch.zeros_like(m0))
         if state is not None and state.m is not None:
             m0 = torch.where(torch.isfinite(state.m), state.m, m0)
     else:

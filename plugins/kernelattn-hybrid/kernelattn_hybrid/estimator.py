@@ -291,10 +291,12 @@ class SlidingWindowAttention(AttentionEstimator):
         self.last_backend = "step"
         self._finite_step = self._finite_step_plan(q, v, owner)
         if state is None:
-            out = self._attend(q, k, v, True, mask, redraw=False)
+            out = self._attend(q, k, v, True, mask, redraw=False) if q.shape[2] else v.new_zeros(v.shape)
             state = self._state_of(q, k, v, mask)
             state.owner = owner
             return out, state
+        if not q.shape[2]:  # no new position
+            return v.new_zeros(v.shape), state
         fm.prepare(q, k, key_padding_mask=mask, causal=True)
         outs = []
         for t in range(q.shape[2]):  # decoding: one position per step (no graph over a sequence)
