@@ -159,12 +159,14 @@ def test_exact_takes_a_seed_and_ignores_it(name: str) -> None:
         ka.create(name, seed=-1)
 
 
-@pytest.mark.parametrize("kernel", ["polynomial", "matern"])
+@pytest.mark.parametrize("kernel", ["polynomial", "matern", "spectral-prf"])
 def test_a_row_whose_kernel_overflows_is_nan_and_sends_no_gradient_back(kernel: str) -> None:
-    """A finite but huge future key (float32 1e30) overflows ``(1 + q.k)^p`` or Matern's
-    ``(1 + z) e^-z`` in the rows that see it: they are NaN, as rows that see a non-finite
-    input are, and the backward of their normalisation (0 * inf) no longer reaches the
-    earlier keys' gradients; Matern's masked pairs hold ``q - k = 0`` before ``g``."""
+    """A finite but huge future key (float32 1e30) overflows ``(1 + q.k)^p``, Matern's
+    ``(1 + z) e^-z`` or the GMM-PRF kernel's log-sum-exp in the rows that see it: they are
+    NaN, as rows that see a non-finite input are, and the backward of their normalisation
+    (0 * inf) no longer reaches the earlier keys' gradients; Matern's masked pairs hold
+    ``q - k = 0`` before ``g``; a log-kernel overflowing at a masked pair (``spectral-prf``:
+    ``+inf`` there made the earlier queries' gradients NaN) has its key quarantined."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 2, 6, 8) for _ in range(3))
     est = ka.create(kernel)
@@ -181,5 +183,30 @@ def test_a_row_whose_kernel_overflows_is_nan_and_sends_no_gradient_back(kernel: 
     (clean, *clean_grads), (dirty, *dirty_grads) = grads
     torch.testing.assert_close(dirty[:, :, :4], clean[:, :, :4])
     assert torch.isnan(dirty[:, :, 4:]).all()
+    for a, b in zip(dirty_grads, clean_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_an_overflowing_query_poisons_its_own_row_only() -> None:
+    """A finite but huge query (float32 1e30) overflows the GMM-PRF log-kernel in its own
+    row, at keys it sees and keys it may not: its row is NaN and no key is quarantined,
+    so every other row keeps its output and gradients (the key-side quarantine of
+    ``quarantine_overflow`` blames a key only for a row that is otherwise sound)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 6, 8) for _ in range(3))
+    est = ka.create("spectral-prf")
+    runs = []
+    for huge in (False, True):
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        if huge:
+            with torch.no_grad():
+                qq[:, :, 2] = 1e30
+        out = ka.kernel_attention(qq, kk, vv, est, causal=True)
+        others = torch.cat([out[:, :, :2], out[:, :, 3:]], 2)
+        others.sum().backward()
+        runs.append((out.detach(), others.detach(), kk.grad, vv.grad))
+    (_, clean, *clean_grads), (dirty, others, *dirty_grads) = runs
+    assert torch.isnan(dirty[:, :, 2]).all()
+    torch.testing.assert_close(others, clean)
     for a, b in zip(dirty_grads, clean_grads):
         torch.testing.assert_close(a, b)

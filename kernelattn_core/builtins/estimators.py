@@ -23,6 +23,7 @@ from ..engine.naive import (
     isolated_rows,
     poison_rows,
     quarantine_non_finite,
+    quarantine_overflow,
     quarantine_traced,
 )
 from ..engine.torch_backend import decode_one_finite
@@ -160,6 +161,11 @@ class ExactAttention(AttentionEstimator):
         allowed = allowed_pairs(q.shape[-2], k.shape[-2], causal, key_padding_mask, q.device)  # [B|1, 1, N, M]
         q, k, v32, poison = quarantine_non_finite(q, k, v32, allowed)
         logits = self.kernel.log_evaluate(q, k)  # [B, H, N, M] or None
+        if logits is not None:
+            quarantined = quarantine_overflow(logits.detach(), q, k, v32, allowed, poison)
+            if quarantined is not None:  # a finite input whose kernel values overflow
+                q, k, v32, poison = quarantined
+                logits = self.kernel.log_evaluate(q, k)
         if logits is None:
             w = self.kernel.row_scaled_matrix(q, k, allowed)  # [B, H, N, M], 0 outside allowed
             den = w.sum(-1, keepdim=True)

@@ -66,6 +66,42 @@ def quarantine_non_finite(
     return q, k, v, bad_q | seen.any(-1)
 
 
+def quarantine_overflow(
+    logits: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    poison: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """Finite inputs whose log-kernel values overflow (``+inf`` or NaN: a finite but huge
+    key in float32), quarantined as :func:`quarantine_non_finite` quarantines non-finite
+    inputs; ``None`` when no entry of ``logits [B, H, N, M]`` overflows (``-inf``, a zero
+    kernel value, is a valid entry).
+
+    A query whose row overflows at a key it sees is replaced by 0 and its row poisoned
+    (its normalisation overflows; exact attention gives it NaN). A key that overflows with
+    a query that may not see it (a future key, causal) and whose row is otherwise sound is
+    replaced by 0 (its value too), and the rows that see it are poisoned: the kernel's
+    backward at that masked pair would otherwise be :math:`0 \\cdot \\mathrm{NaN}` into the
+    earlier query's gradient (``spectral-prf``'s log-sum-exp over components at ``+inf``).
+    The caller evaluates the kernel again on the returned inputs.
+    """
+    bad = torch.isnan(logits) | torch.isposinf(logits)  # [B, H, N, M]
+    if not bool(bad.any()):
+        return None
+    sees = bad if allowed is None else bad & allowed
+    bad_q = sees.any(-1)  # [B, H, N]
+    hidden = bad if allowed is None else bad & ~allowed
+    bad_k = (hidden & ~bad_q.unsqueeze(-1)).any(-2)  # [B, H, M]
+    q = q.masked_fill(bad_q.unsqueeze(-1), 0.0)
+    k = k.masked_fill(bad_k.unsqueeze(-1), 0.0)
+    v = v.masked_fill(bad_k.unsqueeze(-1), 0.0)
+    seen = bad_k.unsqueeze(-2) if allowed is None else allowed & bad_k.unsqueeze(-2)  # [B, H, N|1, M]
+    rows = bad_q | seen.any(-1)
+    return q, k, v, rows if poison is None else poison | rows
+
+
 def quarantine_traced(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
