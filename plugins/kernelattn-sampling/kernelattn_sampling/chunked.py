@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from kernelattn_core.toolkit import finite_rows
+
 from . import functional as fn
 
 #: use the blocked path once ``N * M * S`` exceeds this many elements (16 MiB of float32)
@@ -43,10 +45,12 @@ def ra_blocked(
     noise: bool,
     counter_seed: int | None,
     block: int | None = None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RA (Eq. 30) of ``q [B, H, N, d]`` over ``k [B, H, M, d]``, ``v [B, H, M, dv]`` in
-    blocks of queries; ``[B, H, N, dv]``. Arguments as in
-    :func:`~kernelattn_sampling.functional.ra_samples`."""
+    blocks of queries: ``([B, H, N, dv], overflow rows [B, H, N] or None)``, the rows
+    whose output overflowed computed again out of the samples' graph (see
+    :func:`~kernelattn_sampling.functional.ra_from_samples_isolated`; the caller makes them
+    NaN). Arguments as in :func:`~kernelattn_sampling.functional.ra_samples`."""
     b, h, n, d = q.shape
     m = k.shape[-2]
     if block is None:
@@ -56,6 +60,7 @@ def ra_blocked(
         u_all = fn.counter_uniform(counter_seed, (b, h, n, samples), 0, q.device)  # [B, H, N, S]
         if noise and noise_std != 0:
             eps_all = fn.counter_normal(counter_seed, (b, h, n, samples, d), 1, q)  # [B, H, N, S, d]
+    overflow = torch.zeros(b, h, n, dtype=torch.bool, device=q.device)
     q_blocks = q.split(block, dim=2)  # one autograd node for all blocks (no per-block full-size gradient)
     k_blocks, v_blocks = k.split(block, dim=2), v.split(block, dim=2)
     outs = []
@@ -90,6 +95,19 @@ def ra_blocked(
             omega = omega + noise_std * eps
         bias = fn.key_log_bias(kk, mask)  # [B, H, 1, M']
         seen = None if allowed is None else allowed.repeat_interleave(samples, dim=0)  # [Q*S, M']
-        _, f = fn.target_stats(omega.reshape(b, h, -1, d), kk, vv, bias, seen)  # [B, H, Q*S, dv]
-        outs.append(f.reshape(b, h, qb.shape[2], samples, -1).mean(3))
-    return torch.cat(outs, dim=2)
+        out = _block_output(omega, kk, vv, bias, seen)
+        bad = ~finite_rows(out.detach())  # [B, H, Q]: rows whose f overflows (finite but huge inputs)
+        if bool(bad.any()):  # cut them from the samples' graph, as ra_from_samples_isolated does
+            out = _block_output(omega.masked_fill(bad[..., None, None], 0.0), kk, vv, bias, seen)
+            overflow[:, :, i0:i1] |= bad
+        outs.append(out)
+    return torch.cat(outs, dim=2), (overflow if bool(overflow.any()) else None)
+
+
+def _block_output(
+    omega: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, seen: torch.Tensor | None
+) -> torch.Tensor:
+    """:math:`\\frac1S \\sum_s f(\\omega_{ns})` of one block of samples ``[B, H, Q, S, d]``: ``[B, H, Q, dv]``."""
+    b, h, nq, s, d = omega.shape
+    _, f = fn.target_stats(omega.reshape(b, h, -1, d), k, v, bias, seen)  # [B, H, Q*S, dv]
+    return f.reshape(b, h, nq, s, -1).mean(3)

@@ -248,9 +248,13 @@ class RandomizedAttention(_SamplingEstimator):
         k, v32 = fn.drop_padded(k, v32, key_padding_mask)
         allowed = allowed_pairs(q.shape[2], k.shape[2], causal, key_padding_mask, q.device)
         q, k, v32, poison = quarantine_non_finite(q, k, v32, allowed)  # NaN rows cannot reach other gradients
-        return poison_rows(self._ra(q, k, v32, causal, key_padding_mask), poison).to(v.dtype)
+        out, overflow = self._ra(q, k, v32, causal, key_padding_mask)
+        if overflow is not None:
+            poison = overflow if poison is None else poison | overflow
+        return poison_rows(out, poison).to(v.dtype)
 
     def _ra(self, q, k, v32, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        """``(out, overflow rows or None)``."""
         fixed = not self.training and not self.eval_resample
         if use_blocks(q.shape[2], k.shape[2], self.num_features):  # memory-bounded, same estimator
             return ra_blocked(
@@ -277,7 +281,7 @@ class RandomizedAttention(_SamplingEstimator):
             noise=self.training or self.eval_noise,
             counter_seed=int(self.eval_seed) if fixed else None,
         )  # [B, H, N, S, d]
-        return fn.ra_from_samples(omega, k, v32, key_padding_mask, causal)
+        return fn.ra_from_samples_isolated(omega, k, v32, key_padding_mask, causal)
 
 
 class RandomizedAttentionBiased(_SamplingEstimator):
@@ -331,7 +335,10 @@ class RandomizedAttentionBiased(_SamplingEstimator):
         omega = fn.ra_samples(
             q, k, probs, samples, self._sigma(q.shape[-1]), generator, sample_index=False, noise=self.training
         )
-        return poison_rows(fn.ra_from_samples(omega, k, v32, key_padding_mask, causal), poison).to(v.dtype)
+        out, overflow = fn.ra_from_samples_isolated(omega, k, v32, key_padding_mask, causal)
+        if overflow is not None:
+            poison = overflow if poison is None else poison | overflow
+        return poison_rows(out, poison).to(v.dtype)
 
 
 class RFASNIS(AttentionEstimator):

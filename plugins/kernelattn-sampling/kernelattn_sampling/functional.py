@@ -261,6 +261,30 @@ def ra_from_samples(
     return f.reshape(b, h, n, s, -1).mean(3)
 
 
+def ra_from_samples_isolated(
+    omega: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`ra_from_samples` whose overflowing rows send no gradient back: ``(out, rows)``.
+
+    Finite but huge inputs (a float32 key of 1e30) overflow :math:`f(\\omega)` in the rows
+    whose samples or keys reach them; the backward of such a row is :math:`0 \\cdot \\infty`
+    into every key and value it sees, earlier ones included, even when no loss reads it.
+    Those rows (``rows [B, H, N]``, ``None`` when there are none) are computed again with
+    their samples replaced by 0, which cuts them from the samples' graph and keeps their
+    products finite; the caller makes them NaN, as exact attention gives a row whose kernel
+    overflows. One extra call of :func:`ra_from_samples` only when a row overflows."""
+    out = ra_from_samples(omega, k, v, key_padding_mask, causal)
+    rows = ~finite_rows(out.detach())  # [B, H, N]
+    if not bool(rows.any()):
+        return out, None
+    omega = omega.masked_fill(rows[..., None, None], 0.0)
+    return ra_from_samples(omega, k, v, key_padding_mask, causal), rows
+
+
 def ra_samples(
     q: torch.Tensor,
     k: torch.Tensor,

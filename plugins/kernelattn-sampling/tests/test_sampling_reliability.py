@@ -153,3 +153,33 @@ def test_sampling_state_dict_continues_the_draw_schedule(name) -> None:
         b(q, k, v)  # build (draws its samples) so that the state dict can be loaded
     b.load_state_dict(a.state_dict())
     torch.testing.assert_close(a(q, k, v), b(q, k, v), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("blocked", [False, True], ids=["full", "blocked"])
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("name", CAUSAL)
+def test_sampling_huge_future_key_sends_no_nan_to_earlier_gradients(name, training, blocked, monkeypatch) -> None:
+    """A finite but huge future key (float32 1e30) overflows ``f(omega)`` in later rows
+    whose samples reach it; their backward (0 * inf) made the earlier keys' and values'
+    gradients NaN though no loss read those rows. Now the earlier rows keep the outputs
+    and gradients of a call without the key; the overflowing rows are NaN."""
+    from kernelattn_sampling import chunked
+
+    monkeypatch.setattr(chunked, "THRESHOLD", 0 if blocked else 1 << 40)
+    q, k, v = (t.float() for t in _qkv())
+    runs = []
+    for huge in (False, True):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        if huge:
+            with torch.no_grad():
+                kk[:, :, 5] = 1e30
+        out = _est(name, training)(qq, kk, vv, causal=True)
+        out[:, :, :5].sum().backward()
+        runs.append((out.detach(), qq.grad[:, :, :5], kk.grad[:, :, :5], vv.grad[:, :, :5]))
+    (clean, *clean_grads), (dirty, *dirty_grads) = runs
+    torch.testing.assert_close(dirty[:, :, :5], clean[:, :, :5])
+    for got, ref in zip(dirty_grads, clean_grads):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, ref)
+    later = dirty[:, :, 5:]
+    assert torch.isnan(later).any() and not torch.isinf(later).any()
