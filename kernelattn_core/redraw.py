@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import InputError
 from .interfaces.feature_map import FeatureMap
 from .validation import check_positive_int
+from .validation import check_seed as _check_seed
 
 _MASK63 = (1 << 63) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -42,10 +42,8 @@ def _group_ready() -> bool:
 
 
 def check_seed(seed: object) -> int | None:
-    """Check a ``seed`` option: an int or ``None``."""
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise InputError(f"seed: expected an int or None, got {seed!r}")
-    return seed
+    """Check a ``seed`` option: an int or ``None`` (:func:`~kernelattn_core.validation.check_seed`)."""
+    return _check_seed("seed", seed)
 
 
 def agreed_seed(seed: int | None = None) -> int:

@@ -151,12 +151,17 @@ def test_rows_that_see_no_bad_value_keep_their_gradients(kernel: str, where: str
 @pytest.mark.parametrize("name", ["softmax", "exact"])
 def test_exact_takes_a_seed_and_ignores_it(name: str) -> None:
     """A loop that gives every estimator one seed reaches the reference too (it raised
-    "kernel 'softmax' takes no options"); the seed is checked, and changes nothing."""
+    "kernel 'softmax' takes no options"); the seed is checked as the random estimators
+    check theirs (any int: ``prf`` takes -1 too), and changes nothing."""
     q, k, v = qkv()
     out = ka.create(name, seed=0)(q, k, v, causal=True)
     torch.testing.assert_close(out, ka.create(name)(q, k, v, causal=True), rtol=0, atol=0)
-    with pytest.raises(ka.InputError, match="seed: expected an integer >= 0, got -1"):
-        ka.create(name, seed=-1)
+    ka.create(name, seed=-1)
+    ka.create("prf", seed=-1)
+    for bad in (1.5, "1", True):
+        for est in (name, "prf"):
+            with pytest.raises(ka.InputError, match=r"seed: expected an int or None, got"):
+                ka.create(est, seed=bad)
 
 
 @pytest.mark.parametrize("kernel", ["polynomial", "matern", "spectral-prf"])

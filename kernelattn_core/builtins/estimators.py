@@ -35,7 +35,7 @@ from ..interfaces.names import construct, resolve_class
 from ..interfaces.normalizer import Normalizer, takes_causal
 from ..interfaces.state import StateOwner, check_state, check_state_tensor
 from ..redraw import RedrawPolicy
-from ..validation import all_finite, check_positive_int
+from ..validation import all_finite, check_positive_int, check_seed
 from .kernels import SoftmaxKernel
 
 #: kept for plugins written before the toolkit (``from kernelattn_core.builtins.estimators import _construct``)
@@ -126,8 +126,7 @@ class ExactAttention(AttentionEstimator):
         **kernel_options: Any,
     ) -> None:
         super().__init__(scale=scale)
-        if seed is not None:
-            check_positive_int("seed", seed, 0)
+        check_seed("seed", seed)  # any int, as the random estimators take
         self.kernel = resolve_kernel(kernel, kernel_options)
         if backend not in ("auto", "sdpa", "naive"):
             raise InputError(f"backend: expected 'auto', 'sdpa' or 'naive', got {backend!r}")
