@@ -43,6 +43,32 @@ class KVCache:
         """Number of positions consumed."""
         return self.k.shape[2]
 
+    def extended(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None
+    ) -> KVCache:
+        """This cache with the new positions ``q, k, v [B, H, T, d]`` (and their padding
+        ``[B, T]``) appended; the masks are kept only when either side has one."""
+        mask = None
+        if key_padding_mask is not None or self.key_padding_mask is not None:
+            b, length = q.shape[0], self.length
+            old = self.key_padding_mask
+            old = torch.zeros(b, length, dtype=torch.bool, device=q.device) if old is None else old
+            new = (
+                torch.zeros(b, q.shape[2], dtype=torch.bool, device=q.device)
+                if key_padding_mask is None
+                else key_padding_mask
+            )
+            mask = torch.cat([old, new], 1)
+        return KVCache(
+            torch.cat([self.q, q], 2), torch.cat([self.k, k], 2), torch.cat([self.v, v], 2), mask, self.owner
+        )
+
+    def attend_new(self, estimator: nn.Module, new: int) -> torch.Tensor:
+        """The causal output ``[B, H, new, dv]`` of the last ``new`` positions, recomputed
+        over every cached one (``new = 0``: no row; ``out[..., -0:, :]`` would be every row)."""
+        out = estimator(self.q, self.k, self.v, causal=True, key_padding_mask=self.key_padding_mask)
+        return out[:, :, out.shape[2] - new :]
+
 
 class KernelAttention(nn.Module):
     """Multi-head self or cross attention whose attention step is any estimator.
@@ -359,19 +385,10 @@ class KernelAttention(nn.Module):
         )
         if state is not None:
             _check_cache(state, owner, q.device)
-            masks = None
-            if kpm is not None or state.key_padding_mask is not None:
-                old = state.key_padding_mask
-                old = torch.zeros(q.shape[0], state.length, dtype=torch.bool, device=q.device) if old is None else old
-                new = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device) if kpm is None else kpm
-                masks = torch.cat([old, new], 1)
-            state = KVCache(
-                torch.cat([state.q, q], 2), torch.cat([state.k, k], 2), torch.cat([state.v, v], 2), masks, owner
-            )
+            state = state.extended(q, k, v, kpm)
         else:
             state = KVCache(q, k, v, kpm, owner)
-        out = self.estimator(state.q, state.k, state.v, causal=True, key_padding_mask=state.key_padding_mask)
-        return self._merge(out[:, :, out.shape[2] - q.shape[2] :]), state  # (-0: would be every row)
+        return self._merge(state.attend_new(self.estimator, q.shape[2])), state
 
     def extra_repr(self) -> str:
         return (

@@ -110,24 +110,11 @@ class KernelStateLayer(CacheLayerMixin):
             self.state = KVCache(q, k, v, key_padding_mask, owner)
         else:
             _check_cache(self.state, owner, q.device)
-            old = self.state
-            masks = None
-            if key_padding_mask is not None or old.key_padding_mask is not None:
-                past = old.key_padding_mask
-                if past is None:
-                    past = torch.zeros(q.shape[0], old.length, dtype=torch.bool, device=q.device)
-                new = key_padding_mask
-                if new is None:
-                    new = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)
-                masks = torch.cat([past, new], 1)
-            self.state = KVCache(
-                torch.cat([old.q, q], 2), torch.cat([old.k, k], 2), torch.cat([old.v, v], 2), masks, owner
-            )
+            self.state = self.state.extended(q, k, v, key_padding_mask)
         s = self.state
         if q.shape[2] == 1 and getattr(estimator, "name", None) == "exact":  # one query: all earlier keys, no mask
             return estimator(q, s.k, s.v, causal=False, key_padding_mask=s.key_padding_mask)
-        out = estimator(s.q, s.k, s.v, causal=True, key_padding_mask=s.key_padding_mask)
-        return out[:, :, out.shape[2] - q.shape[2] :]  # (-0: would be every row)
+        return s.attend_new(estimator, q.shape[2])
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` of the mask ``transformers`` builds before the call:
