@@ -87,13 +87,18 @@ def quarantine_overflow(
     earlier query's gradient (``spectral-prf``'s log-sum-exp over components at ``+inf``).
     The caller evaluates the kernel again on the returned inputs.
     """
-    bad = torch.isnan(logits) | torch.isposinf(logits)  # [B, H, N, M]
-    if not bool(bad.any()):
+    if logits.numel() == 0:
         return None
+    top = logits.amax()  # one pass: NaN propagates, +inf shows; -inf entries are valid
+    if not bool(torch.isnan(top) | torch.isposinf(top)):
+        return None
+    bad = torch.isnan(logits) | torch.isposinf(logits)  # [B, H, N, M]
     sees = bad if allowed is None else bad & allowed
     bad_q = sees.any(-1)  # [B, H, N]
-    hidden = bad if allowed is None else bad & ~allowed
-    bad_k = (hidden & ~bad_q.unsqueeze(-1)).any(-2)  # [B, H, M]
+    if allowed is None:  # every pair is seen: no key is hidden from a row
+        bad_k = torch.zeros((*bad_q.shape[:-1], k.shape[-2]), dtype=torch.bool, device=bad_q.device)
+    else:
+        bad_k = (bad & ~allowed & ~bad_q.unsqueeze(-1)).any(-2)  # [B, H, M]
     q = q.masked_fill(bad_q.unsqueeze(-1), 0.0)
     k = k.masked_fill(bad_k.unsqueeze(-1), 0.0)
     v = v.masked_fill(bad_k.unsqueeze(-1), 0.0)
