@@ -15,9 +15,9 @@ different, equally distributed sample).
 
 from __future__ import annotations
 
-import torch
+import functools
 
-from kernelattn_core.toolkit import finite_rows
+import torch
 
 from . import functional as fn
 
@@ -95,19 +95,10 @@ def ra_blocked(
             omega = omega + noise_std * eps
         bias = fn.key_log_bias(kk, mask)  # [B, H, 1, M']
         seen = None if allowed is None else allowed.repeat_interleave(samples, dim=0)  # [Q*S, M']
-        out = _block_output(omega, kk, vv, bias, seen)
-        bad = ~finite_rows(out.detach())  # [B, H, Q]: rows whose f overflows (finite but huge inputs)
-        if bool(bad.any()):  # cut them from the samples' graph, as ra_from_samples_isolated does
-            out = _block_output(omega.masked_fill(bad[..., None, None], 0.0), kk, vv, bias, seen)
+        # rows whose f overflows (finite but huge inputs) are cut from the samples' graph
+        output_of = functools.partial(fn.samples_output, k=kk, v=vv, bias=bias, allowed=seen)
+        out, bad = fn.output_isolated(output_of, omega)  # [B, H, Q, dv], [B, H, Q] or None
+        if bad is not None:
             overflow[:, :, i0:i1] |= bad
         outs.append(out)
     return torch.cat(outs, dim=2), (overflow if bool(overflow.any()) else None)
-
-
-def _block_output(
-    omega: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, seen: torch.Tensor | None
-) -> torch.Tensor:
-    """:math:`\\frac1S \\sum_s f(\\omega_{ns})` of one block of samples ``[B, H, Q, S, d]``: ``[B, H, Q, dv]``."""
-    b, h, nq, s, d = omega.shape
-    _, f = fn.target_stats(omega.reshape(b, h, -1, d), k, v, bias, seen)  # [B, H, Q*S, dv]
-    return f.reshape(b, h, nq, s, -1).mean(3)

@@ -13,7 +13,9 @@ constant over keys and cancels in the target function, which is therefore
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -254,11 +256,42 @@ def ra_from_samples(
     -------
     Tensor ``[B, H, N, dv]``
     """
+    return samples_output(omega, k, v, *_sample_masks(omega, k, key_padding_mask, causal))
+
+
+def _sample_masks(
+    omega: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(bias [B, H, 1, M], allowed [N*S, M] or None)`` of :func:`samples_output` for the
+    samples ``omega [B, H, N, S, d]`` of every query."""
+    _, _, n, s, _ = omega.shape
+    bias = key_log_bias(k, key_padding_mask)
+    allowed = causal_allowed(n, k.shape[-2], k.device).repeat_interleave(s, dim=0) if causal else None
+    return bias, allowed
+
+
+def samples_output(
+    omega: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, allowed: torch.Tensor | None
+) -> torch.Tensor:
+    """:math:`\\frac1S \\sum_s f(\\omega_{ns})` ``[B, H, N, dv]`` of samples ``omega [B, H, N, S, d]``
+    given the keys' log bias ``[B, H, 1, M]`` (:func:`key_log_bias`) and the pairs each
+    sample may see (``allowed [N*S, M]``, ``None``: every key)."""
     b, h, n, s, d = omega.shape
-    bias = key_log_bias(k, key_padding_mask)  # [B, H, 1, M]
-    allowed = causal_allowed(n, k.shape[-2], k.device).repeat_interleave(s, dim=0) if causal else None  # [N*S, M]
     _, f = target_stats(omega.reshape(b, h, n * s, d), k, v, bias, allowed)  # [B, H, N*S, dv]
     return f.reshape(b, h, n, s, -1).mean(3)
+
+
+def output_isolated(
+    output_of: Callable[[torch.Tensor], torch.Tensor], omega: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(output_of(omega), rows)``, the rows ``[B, H, N]`` whose output overflows (``None``
+    when none does) computed again with their samples replaced by 0: see
+    :func:`ra_from_samples_isolated`."""
+    out = output_of(omega)
+    rows = ~finite_rows(out.detach())  # [B, H, N]
+    if not bool(rows.any()):
+        return out, None
+    return output_of(omega.masked_fill(rows[..., None, None], 0.0)), rows
 
 
 def ra_from_samples_isolated(
@@ -276,13 +309,9 @@ def ra_from_samples_isolated(
     Those rows (``rows [B, H, N]``, ``None`` when there are none) are computed again with
     their samples replaced by 0, which cuts them from the samples' graph and keeps their
     products finite; the caller makes them NaN, as exact attention gives a row whose kernel
-    overflows. One extra call of :func:`ra_from_samples` only when a row overflows."""
-    out = ra_from_samples(omega, k, v, key_padding_mask, causal)
-    rows = ~finite_rows(out.detach())  # [B, H, N]
-    if not bool(rows.any()):
-        return out, None
-    omega = omega.masked_fill(rows[..., None, None], 0.0)
-    return ra_from_samples(omega, k, v, key_padding_mask, causal), rows
+    overflows. One extra call of :func:`samples_output` only when a row overflows."""
+    bias, allowed = _sample_masks(omega, k, key_padding_mask, causal)
+    return output_isolated(functools.partial(samples_output, k=k, v=v, bias=bias, allowed=allowed), omega)
 
 
 def ra_samples(
