@@ -850,10 +850,8 @@ def prepare_causal(
         if n:
             m_out, m0 = m_raw[..., -1:], m[..., :1]
         else:  # no new position (an empty decoding step): the state is carried as it is
-            m_out = m0 = phi_k.new_full((b, h, 1), float("-inf")).detach()
-            if state is not None and state.m is not None:
-                m_out = m0 = state.m
-            m0 = torch.where(torch.isfinite(m0), m0, torch.zeros_like(m0))
+            m_out = phi_k.new_full((b, h, 1), float("-inf")) if state is None or state.m is None else state.m
+            m0 = phi_k.new_zeros((b, h, 1))  # the state's own stabiliser below, where finite
         if state is not None and state.m is not None:
             m0 = torch.where(torch.isfinite(state.m), state.m, m0)
     else:
