@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                     "stages": win["stages"],
                     "ms": win["kernels_ms"].get(label),
                 }
-        install(args, config_of({"bt": bt, **best["prep"]}, best))
+        install(args, composed_cfg({"kernels": best}, bt))
         got = run(est, qkv)
         composed[bt] = {
             "kernels": best,
