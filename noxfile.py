@@ -126,6 +126,9 @@ def tasks(session: nox.Session) -> None:
             str(out / f"{preset}.json"),
             "--plot",
             str(out / f"{preset}.png"),
+            # an interrupted session, run again, trains only the runs it lacks (same code only)
+            "--journal",
+            str(ROOT / ".journal" / f"tasks-{preset}.jsonl"),
             env={"OMP_NUM_THREADS": "2"},
         )
     session.run("python", str(ROOT / "docs" / "tasks_tables.py"), str(out))

@@ -35,6 +35,7 @@ quick scale). Presets:
                     task, in the layout of their Table 2 (30-37 min on 2 cores with --jobs 2)
   --preset zoology  MQAR against the feature budget 16..256 for prf, hedgehog, elu and
                     sliding-window, two seeds (Zoology's Fig. 2 at CPU scale)
+--journal FILE keeps every finished run, so a long sweep that stops resumes where it stopped.
 """
 
 
@@ -73,6 +74,12 @@ def add_parser(sub: Any) -> None:
         default=False,
         metavar="BACKEND",
         help="train through torch.compile (Inductor, or the backend named; pays off on long runs: --scale paper)",
+    )
+    p.add_argument(
+        "--journal",
+        metavar="FILE",
+        help="append every finished run to FILE (JSON lines) and reuse the runs it already holds "
+        "(same run, recipe, threads per run and code): an interrupted sweep, run again, trains only what is missing",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is off anyway when not a terminal)")
     add_output_arguments(p)
@@ -116,6 +123,11 @@ def run(args: argparse.Namespace) -> int:
 
         compile_backend(args.compile, "--compile")
     check_output_paths(args.plot, args.output)  # fail before the work, not after it
+    journal = None
+    if args.journal:
+        from ..tasks.journal import RunJournal
+
+        journal = RunJournal(args.journal)  # a bad path fails here, before any training
     fmt = resolve_format(args.format, args.output)
     preset = PRESETS[args.preset] if args.preset else None
     tasks = args.task or (list(preset.tasks) if preset else None)
@@ -141,8 +153,11 @@ def run(args: argparse.Namespace) -> int:
         jobs=args.jobs,
         device=args.device,
         compile=args.compile,
+        journal=journal,
     )
     out = sys.stderr if to_stdout else sys.stdout
+    if journal is not None:
+        print(journal.summary(), file=sys.stderr)
     if args.output or to_stdout:
         emit(records, COLUMNS if fmt == "table" else CSV_COLUMNS, fmt, args.output)
     if args.preset == "seeds" or len({r["task"] for r in records}) > 1:

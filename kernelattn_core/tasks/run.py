@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import InputError, KernelAttnError
@@ -41,6 +42,7 @@ from ..registry import get_registry
 from ..validation import check_device, check_positive_int
 from . import get_task
 from .base import Task
+from .journal import RunJournal, run_key
 from .model import NO_MIXING
 from .train import TrainConfig, build_model, compile_backend, steps_to_fraction, train
 
@@ -302,6 +304,7 @@ def run_tasks(
     jobs: int = 1,
     device: str | Any | None = None,
     compile: bool | str = False,
+    journal: str | os.PathLike[str] | RunJournal | None = None,
 ) -> list[dict[str, Any]]:
     """Train the task model with each estimator on each task; one record per (task, estimator, budget).
 
@@ -347,6 +350,12 @@ def run_tasks(
         :func:`~kernelattn_core.tasks.train.train`):
         worth it for long runs (``scale="paper"``), not at the quick scale, where the
         compilation of each run costs about as much as it saves.
+    journal : str, PathLike or RunJournal, optional
+        A file (JSON lines, :class:`~kernelattn_core.tasks.journal.RunJournal`) to which
+        every finished run is appended as it ends, and from which the runs it already holds
+        (the same run, recipe, options, threads per run and code) are taken instead of
+        being trained: an interrupted sweep called again with the same journal trains only
+        what is missing, and its records equal an uninterrupted call's.
 
     Returns
     -------
@@ -388,16 +397,56 @@ def run_tasks(
             plan += [(task, name, b, config) for b in (budgets if has_budget(name) else [None])]
     _check_buildable(plan, scale)  # an option error fails the call, not a row after the references trained
     total = sum(c.steps * len(seeds) for t, n, b, c in plan if cannot_run(n, t) is None)
+    if journal is not None and not isinstance(journal, RunJournal):
+        journal = RunJournal(journal)
+    import torch
 
+    # threads per run are part of a run's identity (another count rounds differently)
+    runs = _Runs(journal, torch.get_num_threads() if jobs == 1 else max(1, torch.get_num_threads() // jobs))
     publish = _Publisher(on_record)
     with Progress(total, "tasks", enabled=progress) as bar:
         if jobs == 1:
             for task, name, budget, config in plan:
-                publish(_run_row(task, name, budget, config, seeds, scale, bar, run_options))
+                publish(_run_row(task, name, budget, config, seeds, scale, bar, run_options, runs))
         else:
-            _run_parallel(plan, seeds, scale, bar, jobs, publish, run_options)
+            _run_parallel(plan, seeds, scale, bar, jobs, publish, run_options, runs)
     order = {(t.name, n, b): i for i, (t, n, b, _) in enumerate(plan)}
     return sorted(publish.records, key=lambda r: order[(r["task"], r["estimator"], r["budget"])])
+
+
+@dataclass
+class _Runs:
+    """Where a call's runs come from: the journal (``None``: none) and the threads each run
+    trains with."""
+
+    journal: RunJournal | None
+    threads: int
+
+    def key(self, record: dict[str, Any], seed: int, config: TrainConfig) -> dict[str, Any]:
+        return run_key(
+            record["task"],
+            record["estimator"],
+            record["budget"],
+            seed,
+            scale=record["scale"],
+            config=asdict(config),
+            options=record["options"],
+            device=record["device"],
+            compiled=record["compiled"],
+            threads=self.threads,
+        )
+
+    def recorded(self, record: dict[str, Any], seed: int, config: TrainConfig) -> dict[str, Any] | None:
+        """The journal's result of this run, or ``None`` (no journal, or not on record)."""
+        return None if self.journal is None else self.journal.get(self.key(record, seed, config))
+
+    def record(self, record: dict[str, Any], seed: int, config: TrainConfig, result: dict[str, Any]) -> dict[str, Any]:
+        """Append a finished run's result to the journal (not a failed run's); the result as
+        the journal holds it (JSON: the curve's pairs become lists), so that a row reads the
+        same whether its runs were trained now or taken from the journal."""
+        if self.journal is None or "error" in result:
+            return result
+        return self.journal.add(self.key(record, seed, config), result)
 
 
 def _check_buildable(plan: list[tuple[Task, str, int | None, TrainConfig]], scale: str) -> None:
@@ -513,6 +562,7 @@ def _run_row(
     scale: str,
     bar: Any,
     run_options: dict[str, Any],
+    runs: _Runs,
 ) -> dict[str, Any]:
     record = _new_record(task, name, budget, config, seeds, scale, run_options)
     if record["error"] is not None:
@@ -520,22 +570,27 @@ def _run_row(
     results = []
     for seed in seeds:
         note = _note(record, seed)
+        done = runs.recorded(record, seed, config)
+        if done is not None:  # finished by an earlier call with this journal
+            for _ in range(config.steps):
+                bar.advance(note)
+            results.append(done)
+            continue
         try:
-            results.append(
-                train(
-                    task,
-                    _registry_name(name),
-                    config,
-                    scale=scale,
-                    seed=seed,
-                    options=record["options"],
-                    on_step=lambda _step, note=note: bar.advance(note),
-                    **run_options,
-                )
+            result = train(
+                task,
+                _registry_name(name),
+                config,
+                scale=scale,
+                seed=seed,
+                options=record["options"],
+                on_step=lambda _step, note=note: bar.advance(note),
+                **run_options,
             )
         except Exception as exc:  # a run that fails is a row with its reason, not a crash of the table
             record["error"] = _error_text(exc)
             return record
+        results.append(runs.record(record, seed, config, result))
     return _finish_record(record, results)
 
 
@@ -569,21 +624,35 @@ def _run_parallel(
     jobs: int,
     publish: Callable[[dict[str, Any]], None],
     run_options: dict[str, Any],
+    runs: _Runs,
 ) -> None:
     """Every (row, seed) of ``plan`` as one job of a pool of ``jobs`` processes (spawned: a
     forked copy of a process whose OpenMP threads have started can hang), submitted longest
-    first (by steps). A row is published when its last seed finishes; the progress bar
-    advances by a run's steps when it ends."""
+    first (by steps); the runs the journal holds are taken from it, not submitted. A row is
+    published when its last seed finishes; the progress bar advances by a run's steps when
+    it ends."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    import torch
-
-    threads = max(1, torch.get_num_threads() // jobs)
     rows: list[dict[str, Any]] = []
     results: list[dict[int, dict[str, Any]]] = []
+
+    def finished(i: int, seed: int, out: dict[str, Any]) -> None:
+        record = rows[i]
+        for _ in range(record["steps"]):
+            bar.advance(_note(record, seed))
+        results[i][seed] = out
+        if len(results[i]) < len(seeds):
+            return
+        failed = [r["error"] for s in seeds if "error" in (r := results[i][s])]
+        if failed:
+            record["error"] = failed[0]
+        else:
+            _finish_record(record, [results[i][s] for s in seeds])
+        publish(record)
+
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads,)) as pool:
+    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=(runs.threads,)) as pool:
         futures = {}
         for task, name, budget, config in plan:
             record = _new_record(task, name, budget, config, seeds, scale, run_options)
@@ -596,24 +665,17 @@ def _run_parallel(
         for i in sorted(range(len(plan)), key=lambda i: -plan[i][3].steps):
             if rows[i]["error"] is not None:
                 continue
+            task, name, _, config = plan[i]
             for seed in seeds:
-                task, name, _, config = plan[i]
+                done = runs.recorded(rows[i], seed, config)
+                if done is not None:  # finished by an earlier call with this journal
+                    finished(i, seed, done)
+                    continue
                 args = (task.name, _registry_name(name), config, scale, seed, rows[i]["options"], run_options)
                 futures[pool.submit(_train_in_worker, *args)] = (i, seed)
         for future in as_completed(futures):
             i, seed = futures[future]
-            record, out = rows[i], future.result()
-            for _ in range(record["steps"]):
-                bar.advance(_note(record, seed))
-            results[i][seed] = out
-            if len(results[i]) < len(seeds):
-                continue
-            failed = [r["error"] for s in seeds if "error" in (r := results[i][s])]
-            if failed:
-                record["error"] = failed[0]
-            else:
-                _finish_record(record, [results[i][s] for s in seeds])
-            publish(record)
+            finished(i, seed, runs.record(rows[i], seed, plan[i][3], future.result()))
 
 
 def _relate(record: dict[str, Any], exact: dict[str, Any] | None, floor: dict[str, Any] | None) -> None:
