@@ -140,21 +140,26 @@ def run(args: argparse.Namespace) -> int:
     longest = max((len(e) for e in estimators or []), default=0)
     widths = {**WIDTHS, "estimator": max(WIDTHS["estimator"], longest)}
     stream = None if to_stdout else RowStream(COLUMNS, widths, formats=CELL_FORMATS)
-    records = run_tasks(
-        tasks,
-        estimators,
-        budgets,
-        seeds=seeds,
-        scale=args.scale,
-        steps=args.steps,
-        quadratic=args.quadratic,
-        progress=not args.no_progress,
-        on_record=stream.row if stream is not None else None,
-        jobs=args.jobs,
-        device=args.device,
-        compile=args.compile,
-        journal=journal,
-    )
+    try:
+        records = run_tasks(
+            tasks,
+            estimators,
+            budgets,
+            seeds=seeds,
+            scale=args.scale,
+            steps=args.steps,
+            quadratic=args.quadratic,
+            progress=not args.no_progress,
+            on_record=stream.row if stream is not None else None,
+            jobs=args.jobs,
+            device=args.device,
+            compile=args.compile,
+            journal=journal,
+        )
+    except KeyboardInterrupt:
+        if journal is not None:  # what the next call will reuse
+            print(f"\ninterrupted; {journal.summary()}: the same command resumes from it", file=sys.stderr)
+        raise
     out = sys.stderr if to_stdout else sys.stdout
     if journal is not None:
         print(journal.summary(), file=sys.stderr)

@@ -630,12 +630,12 @@ def _run_parallel(
     forked copy of a process whose OpenMP threads have started can hang), submitted longest
     first (by steps); the runs the journal holds are taken from it, not submitted. A row is
     published when its last seed finishes; the progress bar advances by a run's steps when
-    it ends."""
+    it ends. An interrupt stops the pool at once (:func:`_stop`)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    rows: list[dict[str, Any]] = []
-    results: list[dict[int, dict[str, Any]]] = []
+    rows = [_new_record(task, name, budget, config, seeds, scale, run_options) for task, name, budget, config in plan]
+    results: list[dict[int, dict[str, Any]]] = [{} for _ in plan]
 
     def finished(i: int, seed: int, out: dict[str, Any]) -> None:
         record = rows[i]
@@ -651,31 +651,42 @@ def _run_parallel(
             _finish_record(record, [results[i][s] for s in seeds])
         publish(record)
 
+    for record in rows:
+        if record["error"] is not None:
+            publish(record)
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=(runs.threads,)) as pool:
-        futures = {}
-        for task, name, budget, config in plan:
-            record = _new_record(task, name, budget, config, seeds, scale, run_options)
-            rows.append(record)
-            results.append({})
-            if record["error"] is not None:
-                publish(record)
-        # longest runs first (by steps; the plan's order among equals), so that the pool does
-        # not end on one long run while the other workers idle
-        for i in sorted(range(len(plan)), key=lambda i: -plan[i][3].steps):
-            if rows[i]["error"] is not None:
-                continue
-            task, name, _, config = plan[i]
-            for seed in seeds:
-                done = runs.recorded(rows[i], seed, config)
-                if done is not None:  # finished by an earlier call with this journal
-                    finished(i, seed, done)
+        try:
+            futures = {}
+            # longest runs first (by steps; the plan's order among equals), so that the pool
+            # does not end on one long run while the other workers idle
+            for i in sorted(range(len(plan)), key=lambda i: -plan[i][3].steps):
+                if rows[i]["error"] is not None:
                     continue
-                args = (task.name, _registry_name(name), config, scale, seed, rows[i]["options"], run_options)
-                futures[pool.submit(_train_in_worker, *args)] = (i, seed)
-        for future in as_completed(futures):
-            i, seed = futures[future]
-            finished(i, seed, runs.record(rows[i], seed, plan[i][3], future.result()))
+                task, name, _, config = plan[i]
+                for seed in seeds:
+                    done = runs.recorded(rows[i], seed, config)
+                    if done is not None:  # finished by an earlier call with this journal
+                        finished(i, seed, done)
+                        continue
+                    args = (task.name, _registry_name(name), config, scale, seed, rows[i]["options"], run_options)
+                    futures[pool.submit(_train_in_worker, *args)] = (i, seed)
+            for future in as_completed(futures):
+                i, seed = futures[future]
+                finished(i, seed, runs.record(rows[i], seed, plan[i][3], future.result()))
+        except BaseException:  # an interrupt: stop now, not after every queued run (a journal keeps the finished)
+            _stop(pool)
+            raise
+
+
+def _stop(pool: Any) -> None:
+    """End a process pool at once: queued runs cancelled, running workers terminated (the
+    executor's own shutdown waits for every run already handed to a worker; it has no
+    public way to end them, hence its ``_processes``)."""
+    workers = list((getattr(pool, "_processes", None) or {}).values())  # shutdown forgets them
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in workers:
+        process.terminate()
 
 
 def _relate(record: dict[str, Any], exact: dict[str, Any] | None, floor: dict[str, Any] | None) -> None:
