@@ -181,7 +181,9 @@ def test_cli_journal_resumes_and_says_so(tmp_path, capsys, one_thread) -> None: 
     assert "journal " + str(path) + ": 0 run(s) reused, 3 trained and recorded" in capsys.readouterr().err
     first = json.loads(out.read_text())
     assert main(argv) == 0
-    assert ": 3 run(s) reused, 0 trained and recorded (3 on record at the start)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith(f"journal {path}: 3 finished run(s) on record\n")  # said before the first row
+    assert ": 3 run(s) reused, 0 trained and recorded (3 on record at the start)" in err
     assert json.loads(out.read_text()) == first  # every field, the times included: the same runs
 
 
