@@ -104,6 +104,8 @@ def test_recorded_runs_are_not_reused_for_another_recipe_thread_count_or_code(
     monkeypatch.setattr(journal_mod, "code_fingerprint", lambda: "changed-code")
     other = RunJournal(path)
     assert other.on_record == 0 and other.other_code == len(_lines(path))
+    assert other.opening() == f"journal {path}: 0 finished run(s) on record; 16 recorded under other code, not reused"
+    assert RunJournal(tmp_path / "new.jsonl").opening() is None
     _sweep(path, seeds=[0], journal=other)
     assert len(trained) == 4 and other.reused == 0 and other.recorded == 4
     trained.clear()

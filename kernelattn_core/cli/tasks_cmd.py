@@ -128,9 +128,8 @@ def run(args: argparse.Namespace) -> int:
         from ..tasks.journal import RunJournal
 
         journal = RunJournal(args.journal)  # a bad path fails here, before any training
-        if journal.on_record or journal.other_code:  # resuming: say so before the first row
-            other = f"; {journal.other_code} recorded under other code, not reused" if journal.other_code else ""
-            print(f"journal {journal.path}: {journal.on_record} finished run(s) on record{other}", file=sys.stderr)
+        if journal.opening() is not None:  # resuming: say so before the first row
+            print(journal.opening(), file=sys.stderr)
     fmt = resolve_format(args.format, args.output)
     preset = PRESETS[args.preset] if args.preset else None
     tasks = args.task or (list(preset.tasks) if preset else None)

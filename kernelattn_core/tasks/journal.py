@@ -171,10 +171,18 @@ class RunJournal:
         self.recorded += 1
         return stored
 
+    def _other(self) -> str:
+        return f"; {self.other_code} recorded under other code, not reused" if self.other_code else ""
+
+    def opening(self) -> str | None:
+        """One line on what the file held when it was read, or ``None`` for a new or empty journal."""
+        if not (self.on_record or self.other_code):
+            return None
+        return f"journal {self.path}: {self.on_record} finished run(s) on record{self._other()}"
+
     def summary(self) -> str:
         """One line on what the journal held and what this process did with it."""
-        other = f"; {self.other_code} recorded under other code, not reused" if self.other_code else ""
         return (
             f"journal {self.path}: {self.reused} run(s) reused, {self.recorded} trained and recorded "
-            f"({self.on_record} on record at the start{other})"
+            f"({self.on_record} on record at the start{self._other()})"
         )
