@@ -43,6 +43,10 @@ def test_plain_line_without_rich(monkeypatch) -> None:  # type: ignore[no-untype
         assert "compare [###############...............] 1/2" in term.getvalue() and "first" in term.getvalue()
         bar.advance("second")
     assert "2/2" in term.getvalue()
+    term = Terminal()
+    with Progress(800, "tasks", stream=term) as bar:
+        bar.advance("a whole run", steps=500)  # one move of many steps, one redraw
+        assert bar.done == 500 and term.getvalue().count("500/800") == 1 and "499/800" not in term.getvalue()
 
 
 def test_rich_bar_on_a_terminal(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -83,10 +83,11 @@ class Progress:
                 self._task = self._rich.add_task(self.label, total=self.total, note="")
         return self
 
-    def advance(self, note: str = "") -> None:
-        self.done += 1
+    def advance(self, note: str = "", steps: int = 1) -> None:
+        """``steps`` more steps done (a finished job of many steps moves the bar once)."""
+        self.done += steps
         if self._rich is not None:
-            self._rich.update(self._task, advance=1, note=note)
+            self._rich.update(self._task, advance=steps, note=note)
         else:
             self._draw(note)
 

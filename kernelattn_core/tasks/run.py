@@ -572,8 +572,7 @@ def _run_row(
         note = _note(record, seed)
         done = runs.recorded(record, seed, config)
         if done is not None:  # finished by an earlier call with this journal
-            for _ in range(config.steps):
-                bar.advance(note)
+            bar.advance(note, steps=config.steps)
             results.append(done)
             continue
         try:
@@ -639,8 +638,7 @@ def _run_parallel(
 
     def finished(i: int, seed: int, out: dict[str, Any]) -> None:
         record = rows[i]
-        for _ in range(record["steps"]):
-            bar.advance(_note(record, seed))
+        bar.advance(_note(record, seed), steps=record["steps"])
         results[i][seed] = out
         if len(results[i]) < len(seeds):
             return
