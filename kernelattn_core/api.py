@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from .builtins.estimators import ExactAttention, FeatureMapAttention
-from .engine.backends import _BACKENDS, backend_for_call
+from .engine.backends import backend_for_call
+from .engine.backends import backends as registered_backends
 from .errors import InputError
 from .interfaces import AttentionEstimator
 from .registry import construct, get_registry
@@ -120,8 +121,11 @@ def kernel_attention(
             f"estimator: expected an AttentionEstimator (e.g. kernelattn_core.create('softmax')), "
             f"got {type(estimator).__name__}"
         )
-    if not isinstance(backend, str) or (backend != "auto" and backend not in _BACKENDS):
-        raise InputError(f"backend: expected 'auto' or one of {sorted(_BACKENDS)}, got {backend!r}")
+    if not isinstance(backend, str) or backend != "auto":
+        # read from the registry at each call (a name bound at import would keep an old table)
+        known = sorted(b.name for b in registered_backends())
+        if backend not in known:
+            raise InputError(f"backend: expected 'auto' or one of {known}, got {backend!r}")
     if backend == "auto" or not isinstance(estimator, FeatureMapAttention):
         if backend not in ("auto", "torch"):
             raise InputError(
