@@ -132,6 +132,30 @@ def tasks(session: nox.Session) -> None:
             env={"OMP_NUM_THREADS": "2"},
         )
     session.run("python", str(ROOT / "docs" / "tasks_tables.py"), str(out))
+    session.run("python", str(ROOT / "docs" / "choosing_table.py"), str(out.parent))
+
+
+@nox.session(default=False)
+def choosing(session: nox.Session) -> None:
+    """The tables of docs/choosing.rst: every linear estimator against the real attention of
+    all-MiniLM-L6-v2 (``kernelattn compare --workload minilm``, about 1.5 min), then the
+    tables from it, the tasks' ``seeds.json`` and the shipped conversions."""
+    install_all(session, "hf")
+    static = ROOT / "docs" / "_static"
+    session.run(
+        "kernelattn",
+        "compare",
+        "--workload",
+        "minilm",
+        "--budgets",
+        "64",
+        "128",
+        "--no-progress",
+        "--output",
+        str(static / "choosing" / "minilm_compare.json"),
+        env={"OMP_NUM_THREADS": "2"},
+    )
+    session.run("python", str(ROOT / "docs" / "choosing_table.py"), str(static))
 
 
 @nox.session(default=False)
