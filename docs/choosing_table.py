@@ -168,22 +168,30 @@ def _linear(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 Picker = Callable[[dict[str, dict[str, Any]], list[dict[str, Any]]], tuple[list[str], str]]
 
 
+def _task(rows: dict[str, dict[str, Any]], name: str, task: str) -> float | None:
+    return rows.get(name, {}).get("tasks", {}).get(task)
+
+
 def pick_recall(rows: dict[str, dict[str, Any]], fitted: list[dict[str, Any]]) -> tuple[list[str], str]:
     pool = sorted((e for e in _linear(rows) if _recall(e) is not None), key=lambda e: -_recall(e))  # type: ignore[operator]
+    if not pool:
+        return [], "not measured (needs mqar and induction)"
     best = pool[:3]
     shown = "; ".join(f"{e['name']} {_pct(e['tasks']['mqar'])} / {_pct(e['tasks']['induction'])}" for e in best)
-    exact = rows["exact"]["tasks"]
-    return [e["name"] for e in best], f"{shown} (exact {_pct(exact['mqar'])} / {_pct(exact['induction'])})"
+    exact = [_pct(_task(rows, "exact", t)) for t in RECALL]
+    return [e["name"] for e in best], f"{shown} (exact {exact[0]} / {exact[1]})"
 
 
 def pick_listops(rows: dict[str, dict[str, Any]], fitted: list[dict[str, Any]]) -> tuple[list[str], str]:
     pool = [e for e in _linear(rows) if e["tasks"].get("listops") is not None]
+    if not pool:
+        return [], "not measured (needs listops)"
     top = max(e["tasks"]["listops"] for e in pool)
     tied = sorted((e for e in pool if e["tasks"]["listops"] >= top - LISTOPS_TIE), key=lambda e: -e["tasks"]["listops"])
-    exact, floor = (rows[n]["tasks"]["listops"] for n in ("exact", "baseline:no-mixing"))
+    exact, floor = (_pct(_task(rows, n, "listops")) for n in ("exact", "baseline:no-mixing"))
     return [e["name"] for e in tied], (
         f"{len(tied)} of {len(pool)} within {100 * LISTOPS_TIE:.0f} points of the best ({_pct(top)}); "
-        f"exact {_pct(exact)}, floor {_pct(floor)}"
+        f"exact {exact}, floor {floor}"
     )
 
 
@@ -201,14 +209,19 @@ def pick_fitted(rows: dict[str, dict[str, Any]], fitted: list[dict[str, Any]]) -
 
 def pick_unfitted(rows: dict[str, dict[str, Any]], fitted: list[dict[str, Any]]) -> tuple[list[str], str]:
     pool = [e for e in _linear(rows) if e["beats"] and all(e["beats"].values())]
+    mean_v = _minilm(rows["baseline:mean-v"]) if "baseline:mean-v" in rows else None
+    if mean_v is None:
+        return [], "not measured (needs the MiniLM comparison)"
     pool.sort(key=lambda e: _minilm(e))  # type: ignore[arg-type, return-value]
     best = pool[:3]
-    shown = "; ".join(f"{e['name']} {_minilm(e):.3f}" for e in best)
-    return [e["name"] for e in best], f"{shown}; the mean of V {_minilm(rows['baseline:mean-v']):.3f}"
+    shown = "; ".join(f"{e['name']} {_minilm(e):.3f}" for e in best) or "none beats it on every layer"
+    return [e["name"] for e in best], f"{shown}; the mean of V {mean_v:.3f}"
 
 
 def pick_fail_recall(rows: dict[str, dict[str, Any]], fitted: list[dict[str, Any]]) -> tuple[list[str], str]:
-    floor = rows["baseline:no-mixing"]["tasks"]
+    floor = rows.get("baseline:no-mixing", {}).get("tasks", {})
+    if not all(t in floor for t in ("mqar", "selective-copy")):
+        return [], "not measured (needs mqar and selective-copy)"
 
     def at_floor(e: dict[str, Any], task: str) -> bool:
         return e["tasks"].get(task) is not None and e["tasks"][task] <= floor[task] + LEARNED
@@ -266,10 +279,18 @@ def write(path: Path, header: list[str], rows: list[list[str]]) -> None:
         w.writerows(rows)
 
 
+#: the measured files under the folder given, relative to it
+SOURCES = ("tasks/seeds.json", "choosing/minilm_compare.json")
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
+
+
 def tables(static: Path) -> dict[str, tuple[list[str], list[list[str]]]]:
-    """The two tables from the files under ``static`` (``docs/_static``)."""
-    seeds = json.loads((static / "tasks" / "seeds.json").read_text(encoding="utf-8"))
-    compare = json.loads((static / "choosing" / "minilm_compare.json").read_text(encoding="utf-8"))
+    """The two tables from the files under ``static`` (``docs/_static``, or a folder of your
+    own laid out the same way; a file that is missing leaves its columns and picks empty)."""
+    seeds, compare = (_records(static / name) for name in SOURCES)
     rows = collect(seeds, compare)
     return {"estimators.csv": estimators_table(rows), "picks.csv": picks_table(rows, conversions(static))}
 
@@ -279,6 +300,12 @@ def main(argv: list[str]) -> int:
         print("usage: python docs/choosing_table.py DOCS_STATIC_DIR", file=sys.stderr)
         return 2
     static = Path(argv[0])
+    missing = [name for name in SOURCES if not (static / name).exists()]
+    if len(missing) == len(SOURCES):
+        print(f"{static}: none of {', '.join(SOURCES)} is there", file=sys.stderr)
+        return 2
+    for name in missing:
+        print(f"{static / name} is missing: its columns and picks stay empty", file=sys.stderr)
     for name, (header, rows) in tables(static).items():
         write(static / "choosing" / name, header, rows)
         print(f"wrote {static / 'choosing' / name} ({len(rows)} rows)")

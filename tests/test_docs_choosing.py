@@ -162,3 +162,28 @@ def test_the_fitted_pick_is_the_lowest_worst_layer(data: dict, tmp_path: Path) -
     (static / "convert" / "minilm_fit_legal.json").write_text(json.dumps(other), encoding="utf-8")
     assert [r["file"] for r in choosing.conversions(static)] == [r["file"] for r in fitted]
     assert choosing.pick_fitted(rows, [])[0] == []
+
+
+def test_a_folder_of_your_own_with_part_of_the_measurements(data: dict, tmp_path: Path) -> None:
+    """The page tells readers to point the script at their own sweep: one with the recall
+    tasks only and no MiniLM comparison or conversion gives the picks it can and says
+    which it cannot; a folder with none of the files is refused."""
+    (tmp_path / "tasks").mkdir()
+    mine = [r for r in data["seeds"] if r["task"] in choosing.RECALL]
+    (tmp_path / "tasks" / "seeds.json").write_text(json.dumps(mine), encoding="utf-8")
+    assert choosing.main([str(tmp_path)]) == 0
+    _, picks = _csv(tmp_path / "choosing" / "picks.csv")
+    by_need = {row[0]: row for row in picks}
+    recall = by_need[_need("from scratch: recall")]
+    assert recall[2] == "generative-prf, hedgehog:init=prf, fastfood-prf"  # as from the whole file
+    for word, why in (("ListOps", "needs listops"), ("without fitting", "MiniLM"), ("avoid", "selective-copy")):
+        assert (
+            by_need[_need(word)][2] == "none"
+            and "not measured" in by_need[_need(word)][3]
+            and why in by_need[_need(word)][3]
+        )
+    assert by_need[_need("pretrained")][3] == "no conversion measured"
+    _, rows = _csv(tmp_path / "choosing" / "estimators.csv")
+    assert {r[0] for r in rows} == {r["estimator"] for r in mine if not r.get("error")}  # lara: non-causal only
+    assert all(r[-2:] == ["-", "-"] for r in rows)  # no MiniLM columns
+    assert choosing.main([str(tmp_path / "empty")]) == 2
