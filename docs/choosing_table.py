@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -271,6 +272,53 @@ def picks_table(rows: dict[str, dict[str, Any]], fitted: list[dict[str, Any]]) -
     return ["need", "rule", "picks", "figures"], out
 
 
+def figure(rows: dict[str, dict[str, Any]], path: Path) -> Path:
+    """What a model learns against how close the estimator is to real attention: for every
+    estimator measured both ways (the same spec in the tasks and on MiniLM), its mean
+    accuracy on the recall tasks (y) against its mean MiniLM output error unfitted (x, log
+    scale), positive maps in one colour, signed ones in another; exact attention's
+    accuracy (black dashes), the floor's (grey dots) and the mean of V's error (grey
+    dashes) as lines. Needs matplotlib (``pip install 'kernelattn-core[plot]'``)."""
+    from kernelattn_core.report.plot import pyplot, save
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.2, 4.8))
+    colours = {"positive": "tab:blue", "signed": "tab:red"}
+    drawn: set[str] = set()
+    placed: list[tuple[float, float]] = []
+    points = [(e, _minilm(e), _recall(e)) for e in _linear(rows)]
+    for e, x, y in sorted((p for p in points if p[1] is not None and p[2] is not None), key=lambda p: -p[2]):
+        sign = e["features"].rsplit(", ", 1)[-1]
+        colour = colours.get(sign, "tab:grey")
+        ax.scatter(x, 100 * y, color=colour, s=30, zorder=3, label=None if sign in drawn else f"{sign} features")
+        drawn.add(sign)
+        # a label next to one already placed goes to the other side of its point
+        near = any(abs(math.log10(x / px)) < 0.06 and abs(100 * y - py) < 5 for px, py in placed)
+        where = dict(xytext=(-5, -11), ha="right") if near else dict(xytext=(5, 4), ha="left")
+        ax.annotate(e["name"], (x, 100 * y), textcoords="offset points", fontsize=8, **where)  # type: ignore[arg-type]
+        placed.append((x, 100 * y))
+    if placed:
+        xs = [px for px, _ in placed]
+        ax.set_xlim(0.6 * min(xs), 2.5 * max(xs))  # room for the labels at either end
+    for name, style in (("exact", dict(color="black", ls="--")), ("baseline:no-mixing", dict(color="0.45", ls=":"))):
+        y = _recall(rows[name]) if name in rows else None
+        if y is not None:
+            ax.axhline(100 * y, lw=1.2, label=f"{name} (accuracy)", **style)  # type: ignore[arg-type]
+    mean_v = _minilm(rows["baseline:mean-v"]) if "baseline:mean-v" in rows else None
+    if mean_v is not None:
+        ax.axvline(mean_v, color="0.45", ls="--", lw=1.2, label="mean of V (error)")
+    ax.set(
+        xscale="log",
+        xlabel=f"MiniLM attention-output error, unfitted (budget {MINILM_BUDGET}, mean over layers)",
+        ylabel="recall accuracy, mean of mqar and induction (%)",
+        ylim=(-3, 103),
+        title="learning a task vs approximating real attention",
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="center right")
+    return save(fig, path)
+
+
 def write(path: Path, header: list[str], rows: list[list[str]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="", encoding="utf-8") as f:
@@ -279,6 +327,8 @@ def write(path: Path, header: list[str], rows: list[list[str]]) -> None:
         w.writerows(rows)
 
 
+#: the figure beside the tables
+FIGURE = "learn_vs_approximate.png"
 #: the measured files under the folder given, relative to it
 SOURCES = ("tasks/seeds.json", "choosing/minilm_compare.json")
 
@@ -309,6 +359,12 @@ def main(argv: list[str]) -> int:
     for name, (header, rows) in tables(static).items():
         write(static / "choosing" / name, header, rows)
         print(f"wrote {static / 'choosing' / name} ({len(rows)} rows)")
+    from kernelattn_core.errors import InputError
+
+    try:
+        print(f"wrote {figure(collect(*(_records(static / n) for n in SOURCES)), static / 'choosing' / FIGURE)}")
+    except InputError as err:  # matplotlib missing: the figure is optional, the tables do not need it
+        print(f"no figure: {err}", file=sys.stderr)
     return 0
 
 

@@ -187,3 +187,19 @@ def test_a_folder_of_your_own_with_part_of_the_measurements(data: dict, tmp_path
     assert {r[0] for r in rows} == {r["estimator"] for r in mine if not r.get("error")}  # lara: non-causal only
     assert all(r[-2:] == ["-", "-"] for r in rows)  # no MiniLM columns
     assert choosing.main([str(tmp_path / "empty")]) == 2
+
+
+def test_the_figure_draws_every_estimator_measured_both_ways(data: dict, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    rows = choosing.collect(data["seeds"], data["compare"])
+    both = {
+        e["name"]
+        for e in rows.values()
+        if e["name"] not in choosing.REFERENCES and e["tasks"].get("mqar") is not None and e["minilm"]
+    }
+    both = {n for n in both if rows[n].get("linear") and choosing._recall(rows[n]) is not None}
+    assert {"generative-prf", "rfa", "schoenbat"} <= both and "hedgehog:init=prf" not in both
+    svg = choosing.figure(rows, tmp_path / "f.svg").read_text(encoding="utf-8")  # SVG keeps text as text
+    for name in both:
+        assert f">{name}<" in svg
+    assert ">hedgehog<" not in svg and ">ra<" not in svg  # one side only; quadratic
