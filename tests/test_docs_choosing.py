@@ -203,3 +203,17 @@ def test_the_figure_draws_every_estimator_measured_both_ways(data: dict, tmp_pat
     for name in both:
         assert f">{name}<" in svg
     assert ">hedgehog<" not in svg and ">ra<" not in svg  # one side only; quadratic
+
+
+def test_nothing_is_picked_from_runs_that_learned_nothing(data: dict) -> None:
+    """A short sweep where no estimator beats the floor picks none for recall or ListOps
+    (a pick of the least bad of the failed runs would be read as a recommendation)."""
+    seeds = copy.deepcopy(data["seeds"])
+    floor = {r["task"]: r["accuracy"] for r in seeds if r["estimator"] == "baseline:no-mixing"}
+    for r in seeds:
+        if r["estimator"] not in choosing.REFERENCES and not r.get("error"):
+            r["accuracy"] = floor[r["task"]] + 0.01
+    picks = choosing.picks_table(choosing.collect(seeds, data["compare"]), data["fitted"])[1]
+    by_need = {row[0]: row for row in picks}
+    for word in ("from scratch: recall", "ListOps"):
+        assert by_need[_need(word)][2] == "none" and "beats the floor" in by_need[_need(word)][3]
