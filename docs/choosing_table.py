@@ -3,16 +3,20 @@
 ``python docs/choosing_table.py docs/_static`` reads
 
 * ``tasks/seeds.json`` (``kernelattn tasks --preset seeds``: what a small model learns with
-  each estimator, budget 64, seed 0; written by ``nox -s tasks``) and
+  each estimator, budget 64, seed 0; written by ``nox -s tasks``),
 * ``choosing/minilm_compare.json`` (``kernelattn compare --workload minilm --budgets 64 128``:
   the attention-output error of each *unfitted* estimator against the real attention of
-  all-MiniLM-L6-v2, layers 0-5, on the shipped English text; written by ``nox -s choosing``),
+  all-MiniLM-L6-v2, layers 0-5, on the shipped English text; written by ``nox -s choosing``) and
+* ``tasks/zoology.json`` (``kernelattn tasks --preset zoology``: MQAR at budgets 16, 64 and
+  256, two seeds),
 
 asks the installed registry what each estimator can do (causal, token-by-token decoding,
 linear cost, its features), and writes ``choosing/estimators.csv`` (one row per estimator
-measured in either file) and ``choosing/picks.csv`` (one row per need: the rule, the
-estimators it picks, the figures it picked them by). The picks are computed here, by the
-rules in :data:`NEEDS`, so that the page follows the measurements when they are re-run.
+measured in the first two files), ``choosing/picks.csv`` (one row per need: the rule, the
+estimators it picks, the figures it picked them by), ``choosing/budgets.csv`` (what more
+features buy, from the last two) and the figure ``choosing/learn_vs_approximate.png``. The
+picks are computed here, by the rules in :data:`NEEDS`, so that the page follows the
+measurements when they are re-run.
 """
 
 from __future__ import annotations
@@ -335,6 +339,35 @@ def figure(rows: dict[str, dict[str, Any]], path: Path) -> Path:
     return save(fig, path)
 
 
+def budgets_table(zoology: list[dict], compare: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """What more features buy: MQAR accuracy at each budget of the zoology preset (mean and
+    standard deviation over its seeds) and the unfitted MiniLM error at each budget of the
+    comparison (mean over layers), one row per estimator spec with a budget; the top-k
+    oracle (softmax over each query's ``k`` largest logits, quadratic) last, as what a
+    sparse budget of that size could reach."""
+    mqar = sorted({r["budget"] for r in zoology if r.get("budget") is not None and not r.get("error")})
+    minilm = sorted({r["budget"] for r in compare if r.get("budget") is not None and not r.get("error")})
+    acc: dict[str, dict[int, str]] = {}
+    err: dict[str, dict[int, list[float]]] = {}
+    for r in zoology:
+        if r.get("budget") is not None and not r.get("error") and r.get("accuracy") is not None:
+            std = f" ± {100 * r['accuracy_std']:.1f}" if r.get("accuracy_std") is not None else ""
+            acc.setdefault(r["estimator"], {})[r["budget"]] = f"{100 * r['accuracy']:.1f}{std}"
+    for r in compare:
+        if r.get("budget") is not None and not r.get("error") and r.get("attn_rel_error") is not None:
+            if not r["estimator"].startswith("example-"):
+                err.setdefault(r["estimator"], {}).setdefault(r["budget"], []).append(r["attn_rel_error"])
+    names = sorted(set(acc) | set(err), key=lambda n: (n.startswith("oracle:"), n not in acc, n))
+    header = ["estimator", *(f"mqar % at {b}" for b in mqar), *(f"MiniLM error at {b}" for b in minilm)]
+    out = []
+    for n in names:
+        errors = [err.get(n, {}).get(b) for b in minilm]
+        out.append(
+            [n, *(acc.get(n, {}).get(b, "-") for b in mqar), *("-" if e is None else f"{mean(e):.3f}" for e in errors)]
+        )
+    return header, out
+
+
 def write(path: Path, header: list[str], rows: list[list[str]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="", encoding="utf-8") as f:
@@ -346,7 +379,7 @@ def write(path: Path, header: list[str], rows: list[list[str]]) -> None:
 #: the figure beside the tables
 FIGURE = "learn_vs_approximate.png"
 #: the measured files under the folder given, relative to it
-SOURCES = ("tasks/seeds.json", "choosing/minilm_compare.json")
+SOURCES = ("tasks/seeds.json", "choosing/minilm_compare.json", "tasks/zoology.json")
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -356,9 +389,13 @@ def _records(path: Path) -> list[dict[str, Any]]:
 def tables(static: Path) -> dict[str, tuple[list[str], list[list[str]]]]:
     """The two tables from the files under ``static`` (``docs/_static``, or a folder of your
     own laid out the same way; a file that is missing leaves its columns and picks empty)."""
-    seeds, compare = (_records(static / name) for name in SOURCES)
+    seeds, compare, zoology = (_records(static / name) for name in SOURCES)
     rows = collect(seeds, compare)
-    return {"estimators.csv": estimators_table(rows), "picks.csv": picks_table(rows, conversions(static))}
+    return {
+        "estimators.csv": estimators_table(rows),
+        "picks.csv": picks_table(rows, conversions(static)),
+        "budgets.csv": budgets_table(zoology, compare),
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -378,7 +415,8 @@ def main(argv: list[str]) -> int:
     from kernelattn_core.errors import InputError
 
     try:
-        print(f"wrote {figure(collect(*(_records(static / n) for n in SOURCES)), static / 'choosing' / FIGURE)}")
+        rows = collect(*(_records(static / n) for n in SOURCES[:2]))
+        print(f"wrote {figure(rows, static / 'choosing' / FIGURE)}")
     except InputError as err:  # matplotlib missing, or nothing to draw: the tables do not need it
         print(f"no figure: {err}", file=sys.stderr)
     return 0

@@ -56,7 +56,7 @@ def _need(word: str) -> str:
 
 def test_the_shipped_tables_follow_from_the_shipped_files() -> None:
     tables = choosing.tables(STATIC)
-    assert set(tables) == {"estimators.csv", "picks.csv"}
+    assert set(tables) == {"estimators.csv", "picks.csv", "budgets.csv"}
     for name, (header, rows) in tables.items():
         again = "run python docs/choosing_table.py docs/_static"
         assert _csv(STATIC / "choosing" / name) == (header, rows), f"{name} is stale: {again}"
@@ -64,7 +64,7 @@ def test_the_shipped_tables_follow_from_the_shipped_files() -> None:
 
 def test_the_page_includes_both_tables() -> None:
     page = (ROOT / "docs" / "choosing.rst").read_text(encoding="utf-8")
-    for name in ("picks.csv", "estimators.csv"):
+    for name in ("picks.csv", "estimators.csv", "budgets.csv"):
         assert f":file: _static/choosing/{name}" in page
 
 
@@ -217,3 +217,18 @@ def test_nothing_is_picked_from_runs_that_learned_nothing(data: dict) -> None:
     by_need = {row[0]: row for row in picks}
     for word in ("from scratch: recall", "ListOps"):
         assert by_need[_need(word)][2] == "none" and "beats the floor" in by_need[_need(word)][3]
+
+
+def test_the_budget_table_holds_each_budget_of_both_files(data: dict) -> None:
+    zoology = json.loads((STATIC / "tasks" / "zoology.json").read_text(encoding="utf-8"))
+    header, rows = choosing.budgets_table(zoology, data["compare"])
+    assert header[1:] == ["mqar % at 16", "mqar % at 64", "mqar % at 256", "MiniLM error at 64", "MiniLM error at 128"]
+    by_name = {r[0]: r for r in rows}
+    prf = {r["budget"]: r for r in zoology if r["estimator"] == "prf"}
+    assert by_name["prf"][1:4] == [
+        f"{100 * prf[b]['accuracy']:.1f} ± {100 * prf[b]['accuracy_std']:.1f}" for b in (16, 64, 256)
+    ]
+    errors = [r["attn_rel_error"] for r in data["compare"] if r["estimator"] == "prf" and r["budget"] == 128]
+    assert len(errors) == 6 and by_name["prf"][5] == f"{sum(errors) / 6:.3f}"  # mean over the six layers
+    assert rows[-1][0] == "oracle:top-k" and "exact" not in by_name and "elu" not in by_name  # no budget
+    assert by_name["hedgehog:init=prf"][4:] == ["-", "-"]  # trained, not compared on MiniLM
