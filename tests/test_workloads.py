@@ -126,3 +126,23 @@ def test_minilm_workload_real_model():
         mean_v = layer.v.mean(2, keepdim=True).expand_as(layer.out)
         assert minilm.relative_error(mean_v, layer.out) > 0.3
         assert 1.0 < layer.logit_std < 10.0
+
+
+@pytest.mark.parametrize("forced", ["0", "1"])
+def test_loading_a_model_draws_transformers_bar_only_where_progress_is_wanted(
+    forced, tokenizer, tmp_path, monkeypatch, capfd
+):
+    """transformers' "Loading weights" bar follows KERNELATTN_PROGRESS / the terminal rule
+    (in a log it is a line of noise per load), and its own setting is restored after."""
+    folder = tmp_path / "bert"
+    tiny_bert().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    monkeypatch.setenv("KERNELATTN_PROGRESS", forced)
+    logging = transformers.utils.logging
+    assert logging.is_progress_bar_enabled()
+    capfd.readouterr()
+    net, _ = minilm.load_model(folder)
+    err = capfd.readouterr().err
+    assert ("Loading weights" in err) == (forced == "1"), err
+    assert logging.is_progress_bar_enabled()  # restored
+    assert sum(p.numel() for p in net.parameters()) == sum(p.numel() for p in tiny_bert().parameters())

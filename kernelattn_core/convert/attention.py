@@ -252,8 +252,11 @@ def from_pretrained(path: str | Path, *, model_class: Any = None, **kwargs: Any)
     logger = transformers.utils.logging.get_logger("transformers.modeling_utils")
     level = logger.level
     logger.setLevel(40)  # the estimator keys are reported as unexpected here; they are loaded and checked below
+    from ..workloads.minilm import loading_quietly
+
     try:
-        base, info = model_class.from_pretrained(str(folder), output_loading_info=True, **kwargs)
+        with loading_quietly():
+            base, info = model_class.from_pretrained(str(folder), output_loading_info=True, **kwargs)
     finally:
         logger.setLevel(level)
     model = convert_attention(base, record["estimator"], **record["options"])

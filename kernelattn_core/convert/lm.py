@@ -125,7 +125,10 @@ def load_decoder(path: str | Path, **kwargs: Any) -> tuple[nn.Module, Any]:
         from .attention import from_pretrained
 
         return from_pretrained(folder, **kwargs), tokenizer
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, **kwargs)
+    from ..workloads.minilm import loading_quietly
+
+    with loading_quietly():
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, **kwargs)
     return model.eval(), tokenizer
 
 

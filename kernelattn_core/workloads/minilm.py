@@ -22,10 +22,12 @@ over the valid (unpadded) query rows (:func:`relative_error`).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.resources
 import inspect
 import pydoc
-from collections.abc import Iterable, Sequence
+import sys
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,6 +122,26 @@ def resolve_model_dir(model: str | Path | None) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def loading_quietly() -> Iterator[None]:
+    """``transformers``' own progress bars (its "Loading weights" bar of every
+    ``from_pretrained``) follow the package's rule for progress
+    (:func:`~kernelattn_core.report.progress.progress_wanted`: a terminal, or
+    ``KERNELATTN_PROGRESS=1``) while the block runs: off in logs and pipes, where each bar
+    is a line of noise. Its setting is restored afterwards."""
+    from ..report.progress import progress_wanted
+
+    logging = _need("transformers").utils.logging
+    silence = logging.is_progress_bar_enabled() and not progress_wanted(sys.stderr)
+    if silence:
+        logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if silence:
+            logging.enable_progress_bar()
+
+
 def load_model(
     model: str | Path | None = None, *, dtype: torch.dtype = torch.float32, attn_implementation: str = "eager"
 ) -> tuple[torch.nn.Module, Any]:
@@ -142,9 +164,10 @@ def load_model(
     transformers = _need("transformers")
     path = resolve_model_dir(model)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    net = transformers.AutoModel.from_pretrained(
-        str(path), local_files_only=True, attn_implementation=attn_implementation
-    )
+    with loading_quietly():
+        net = transformers.AutoModel.from_pretrained(
+            str(path), local_files_only=True, attn_implementation=attn_implementation
+        )
     return net.to(dtype).eval(), tokenizer
 
 
