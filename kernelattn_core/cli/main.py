@@ -27,6 +27,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "kernelattn_core.cli.tasks_cmd",
         "train a small model with each estimator on generated tasks (MQAR, ListOps, ...)",
     ),
+    "choose": (
+        "kernelattn_core.cli.choose_cmd",
+        "pick estimators by need from measured tasks, compare and convert results",
+    ),
     "convert": (
         "kernelattn_core.cli.convert_cmd",
         "convert a pretrained model's attention, fit it to the original, report per-layer error",

@@ -1,9 +1,9 @@
-"""docs/choosing.rst: its tables follow from the measured files, and its picks from the data.
+"""Which estimator for which need (:mod:`kernelattn_core.tasks.choose`, ``kernelattn choose``)
+and docs/choosing.rst, whose tables ``docs/choosing_table.py`` writes with it.
 
-The page's two CSV files are written by ``docs/choosing_table.py`` from the tasks' seeds
-preset, the MiniLM comparison and the shipped conversions; these tests regenerate them
-(a table edited by hand, or data re-measured without the tables, fails) and check that each
-pick moves when the figure it rests on moves (a rule that ignored its data would not).
+The shipped tables are regenerated from the shipped files (a table edited by hand, or data
+re-measured without the tables, fails); each pick moves when the figure it rests on moves
+(a rule that ignored its data would not); the command refuses files of the wrong kind.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from kernelattn_core.cli.main import main as cli
+from kernelattn_core.tasks import choose
 
 ROOT = Path(__file__).resolve().parents[1]
 STATIC = ROOT / "docs" / "_static"
@@ -44,19 +47,19 @@ def data() -> dict:
 
 
 def _picks(seeds: list[dict], compare: list[dict], fitted: list[dict]) -> dict[str, list[str]]:
-    rows = choosing.collect(seeds, compare)
-    _, table = choosing.picks_table(rows, fitted)
+    rows = choose.collect(seeds, compare)
+    _, table = choose.picks_table(rows, fitted)
     return {need: picks.split(", ") for need, _, picks, _ in table}
 
 
 def _need(word: str) -> str:
-    (need,) = [n for n, _, _ in choosing.NEEDS if word in n]
+    (need,) = [n for n, _, _ in choose.NEEDS if word in n]
     return need
 
 
 def test_the_shipped_tables_follow_from_the_shipped_files() -> None:
     tables = choosing.tables(STATIC)
-    assert set(tables) == {"estimators.csv", "picks.csv", "budgets.csv"}
+    assert set(tables) == {"picks.csv", "estimators.csv", "budgets.csv"}
     for name, (header, rows) in tables.items():
         again = "run python docs/choosing_table.py docs/_static"
         assert _csv(STATIC / "choosing" / name) == (header, rows), f"{name} is stale: {again}"
@@ -69,7 +72,7 @@ def test_the_page_includes_both_tables() -> None:
 
 
 def test_every_measured_estimator_has_a_row_and_the_references_come_last(data: dict) -> None:
-    _, rows = choosing.estimators_table(choosing.collect(data["seeds"], data["compare"]))
+    _, rows = choose.estimators_table(choose.collect(data["seeds"], data["compare"]))
     names = [r[0] for r in rows]
     measured = {r["estimator"] for r in data["seeds"]} | {
         r["estimator"] for r in data["compare"] if not r["estimator"].startswith(("example-", "oracle:"))
@@ -89,7 +92,7 @@ def test_the_recall_pick_follows_the_accuracies(data: dict) -> None:
     assert "prf" not in before  # the shipped data: prf is not among the three best at recall
     seeds = copy.deepcopy(data["seeds"])
     for r in seeds:
-        if r["estimator"] == "prf" and r["task"] in choosing.RECALL:
+        if r["estimator"] == "prf" and r["task"] in choose.RECALL:
             r["accuracy"] = 0.999
     after = _picks(seeds, data["compare"], data["fitted"])[need]
     assert after[0] == "prf" and after[1:] == before[:2]
@@ -98,7 +101,7 @@ def test_the_recall_pick_follows_the_accuracies(data: dict) -> None:
 def test_a_quadratic_estimator_is_never_picked_for_recall(data: dict) -> None:
     seeds = copy.deepcopy(data["seeds"])
     for r in seeds:
-        if r["estimator"] == "ra" and r["task"] in choosing.RECALL:
+        if r["estimator"] == "ra" and r["task"] in choose.RECALL:
             r["accuracy"] = 1.0  # better than every linear one: still not a pick (its cost)
     assert "ra" not in _picks(seeds, data["compare"], data["fitted"])[_need("from scratch: recall")]
 
@@ -108,9 +111,9 @@ def test_the_listops_pick_is_the_set_within_one_standard_error(data: dict) -> No
     picked = _picks(data["seeds"], data["compare"], data["fitted"])[need]
     listops = {r["estimator"]: r["accuracy"] for r in data["seeds"] if r["task"] == "listops" and not r.get("error")}
     top = max(listops[n] for n in picked)
-    assert all(listops[n] >= top - choosing.LISTOPS_TIE for n in picked)
-    left_out = [n for n in listops if n not in picked and n not in choosing.REFERENCES and n != "ra"]
-    assert left_out and all(listops[n] < top - choosing.LISTOPS_TIE for n in left_out)
+    assert all(listops[n] >= top - choose.LISTOPS_TIE for n in picked)
+    left_out = [n for n in listops if n not in picked and n not in choose.REFERENCES and n != "ra"]
+    assert left_out and all(listops[n] < top - choose.LISTOPS_TIE for n in left_out)
     seeds = copy.deepcopy(data["seeds"])
     for r in seeds:
         if r["estimator"] == picked[0] and r["task"] == "listops":
@@ -148,8 +151,8 @@ def test_the_fitted_pick_is_the_lowest_worst_layer(data: dict, tmp_path: Path) -
     fitted = data["fitted"]
     assert {r["fit_texts"] for r in fitted} == {"fitting"} and len(fitted) >= 2
     assert _picks(data["seeds"], data["compare"], fitted)[need] == ["sliding-window"]
-    rows = choosing.collect(data["seeds"], data["compare"])
-    _, figures = choosing.pick_fitted(rows, fitted)
+    rows = choose.collect(data["seeds"], data["compare"])
+    _, figures = choose.pick_fitted(rows, fitted)
     best = min(r["max_output_rel_error"] for r in fitted)
     assert f"at most {best:.3f}" in figures
     # a conversion fitted on another corpus is not a candidate, however good
@@ -161,7 +164,7 @@ def test_the_fitted_pick_is_the_lowest_worst_layer(data: dict, tmp_path: Path) -
             r["max_output_rel_error"] = 0.01
     (static / "convert" / "minilm_fit_legal.json").write_text(json.dumps(other), encoding="utf-8")
     assert [r["file"] for r in choosing.conversions(static)] == [r["file"] for r in fitted]
-    assert choosing.pick_fitted(rows, [])[0] == []
+    assert choose.pick_fitted(rows, [])[0] == []
 
 
 def test_a_folder_of_your_own_with_part_of_the_measurements(data: dict, tmp_path: Path) -> None:
@@ -169,7 +172,7 @@ def test_a_folder_of_your_own_with_part_of_the_measurements(data: dict, tmp_path
     tasks only and no MiniLM comparison or conversion gives the picks it can and says
     which it cannot; a folder with none of the files is refused."""
     (tmp_path / "tasks").mkdir()
-    mine = [r for r in data["seeds"] if r["task"] in choosing.RECALL]
+    mine = [r for r in data["seeds"] if r["task"] in choose.RECALL]
     (tmp_path / "tasks" / "seeds.json").write_text(json.dumps(mine), encoding="utf-8")
     assert choosing.main([str(tmp_path)]) == 0
     _, picks = _csv(tmp_path / "choosing" / "picks.csv")
@@ -191,15 +194,15 @@ def test_a_folder_of_your_own_with_part_of_the_measurements(data: dict, tmp_path
 
 def test_the_figure_draws_every_estimator_measured_both_ways(data: dict, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    rows = choosing.collect(data["seeds"], data["compare"])
+    rows = choose.collect(data["seeds"], data["compare"])
     both = {
         e["name"]
         for e in rows.values()
-        if e["name"] not in choosing.REFERENCES and e["tasks"].get("mqar") is not None and e["minilm"]
+        if e["name"] not in choose.REFERENCES and e["tasks"].get("mqar") is not None and e["minilm"]
     }
-    both = {n for n in both if rows[n].get("linear") and choosing._recall(rows[n]) is not None}
+    both = {n for n in both if rows[n].get("linear") and choose._recall(rows[n]) is not None}
     assert {"generative-prf", "rfa", "schoenbat"} <= both and "hedgehog:init=prf" not in both
-    svg = choosing.figure(rows, tmp_path / "f.svg").read_text(encoding="utf-8")  # SVG keeps text as text
+    svg = choose.figure(data["seeds"], data["compare"], tmp_path / "f.svg").read_text(encoding="utf-8")  # text stays
     for name in both:
         assert f">{name}<" in svg
     assert ">hedgehog<" not in svg and ">ra<" not in svg  # one side only; quadratic
@@ -211,9 +214,9 @@ def test_nothing_is_picked_from_runs_that_learned_nothing(data: dict) -> None:
     seeds = copy.deepcopy(data["seeds"])
     floor = {r["task"]: r["accuracy"] for r in seeds if r["estimator"] == "baseline:no-mixing"}
     for r in seeds:
-        if r["estimator"] not in choosing.REFERENCES and not r.get("error"):
+        if r["estimator"] not in choose.REFERENCES and not r.get("error"):
             r["accuracy"] = floor[r["task"]] + 0.01
-    picks = choosing.picks_table(choosing.collect(seeds, data["compare"]), data["fitted"])[1]
+    picks = choose.picks_table(choose.collect(seeds, data["compare"]), data["fitted"])[1]
     by_need = {row[0]: row for row in picks}
     for word in ("from scratch: recall", "ListOps"):
         assert by_need[_need(word)][2] == "none" and "beats the floor" in by_need[_need(word)][3]
@@ -221,7 +224,7 @@ def test_nothing_is_picked_from_runs_that_learned_nothing(data: dict) -> None:
 
 def test_the_budget_table_holds_each_budget_of_both_files(data: dict) -> None:
     zoology = json.loads((STATIC / "tasks" / "zoology.json").read_text(encoding="utf-8"))
-    header, rows = choosing.budgets_table(zoology, data["compare"])
+    header, rows = choose.budgets_table(zoology, data["compare"])
     assert header[1:] == ["mqar % at 16", "mqar % at 64", "mqar % at 256", "MiniLM error at 64", "MiniLM error at 128"]
     by_name = {r[0]: r for r in rows}
     prf = {r["budget"]: r for r in zoology if r["estimator"] == "prf"}
@@ -232,3 +235,63 @@ def test_the_budget_table_holds_each_budget_of_both_files(data: dict) -> None:
     assert len(errors) == 6 and by_name["prf"][5] == f"{sum(errors) / 6:.3f}"  # mean over the six layers
     assert rows[-1][0] == "oracle:top-k" and "exact" not in by_name and "elu" not in by_name  # no budget
     assert by_name["hedgehog:init=prf"][4:] == ["-", "-"]  # trained, not compared on MiniLM
+
+
+def test_the_command_prints_the_picks_of_the_files_given(capsys: pytest.CaptureFixture[str]) -> None:
+    tasks, compare = STATIC / "tasks" / "seeds.json", STATIC / "choosing" / "minilm_compare.json"
+    conversion = STATIC / "convert" / "minilm_sliding_window.json"
+    assert cli(["choose", "--tasks", str(tasks), "--compare", str(compare), "--conversion", str(conversion)]) == 0
+    out = capsys.readouterr().out
+    _, picks = _csv(STATIC / "choosing" / "picks.csv")
+    for need, _rule, chosen, _figures in picks:
+        assert f"{need}:\n  picks    {chosen}\n" in out  # the docs' picks (the same data and rules)
+    assert "minilm_sliding_window.json: output error at most 0.299" in out  # the one conversion given
+
+
+def test_the_command_writes_any_table_as_csv_or_json(tmp_path: Path) -> None:
+    zoology = STATIC / "tasks" / "zoology.json"
+    compare = STATIC / "choosing" / "minilm_compare.json"
+    out = tmp_path / "budgets.csv"
+    assert (
+        cli(
+            ["choose", "--zoology", str(zoology), "--compare", str(compare), "--table", "budgets", "--output", str(out)]
+        )
+        == 0
+    )
+    assert _csv(out) == _csv(STATIC / "choosing" / "budgets.csv")
+    out = tmp_path / "estimators.json"
+    assert (
+        cli(["choose", "--tasks", str(STATIC / "tasks" / "seeds.json"), "--table", "estimators", "--output", str(out)])
+        == 0
+    )
+    rows = json.loads(out.read_text(encoding="utf-8"))
+    assert rows[0]["estimator"] == "exact" and rows[0]["mqar %"] == "100.0"
+    assert {r["MiniLM error (128)"] for r in rows} == {"-"}  # no comparison given
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "expected at least one of --tasks"),
+        (["--tasks", "no-such.json"], "--tasks: expected a results file"),
+        (["--tasks", "README.md"], "--tasks: expected a JSON list of records"),
+        (["--tasks", "docs/_static/choosing/minilm_compare.json"], "--tasks: expected the records of kernelattn tasks"),
+        (["--compare", "docs/_static/tasks/seeds.json"], "--compare: expected the records of kernelattn compare"),
+        (["--conversion", "docs/_static/tasks/seeds.json"], "--conversion: expected the records of kernelattn convert"),
+        (["--tasks", "docs/_static/tasks/seeds.json", "--plot", "f.txt"], "--plot: expected a file ending in"),
+    ],
+)
+def test_the_command_refuses_what_it_cannot_read(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)
+    assert cli(["choose", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_convert_report_without_its_summary_is_refused() -> None:
+    layers = [
+        r for r in json.loads((STATIC / "convert" / "minilm_sliding_window.json").read_text()) if not r.get("summary")
+    ]
+    with pytest.raises(choose.InputError, match="--conversion: expected a kernelattn convert json report"):
+        choose.conversion_summary(layers, "x.json", "--conversion")
