@@ -295,3 +295,11 @@ def test_a_convert_report_without_its_summary_is_refused() -> None:
     ]
     with pytest.raises(choose.InputError, match="--conversion: expected a kernelattn convert json report"):
         choose.conversion_summary(layers, "x.json", "--conversion")
+
+
+def test_capabilities_read_the_options_of_a_spec() -> None:
+    """``sliding-window:feature_map=prf`` has random features, ``sliding-window:init=prf``
+    learned ones: the options are built, not dropped."""
+    assert choose.capabilities("sliding-window:feature_map=prf")["features"] == "random, positive"
+    assert choose.capabilities("sliding-window:init=prf")["features"] == "learned, positive"
+    assert choose.capabilities("lara")["causal"] is False and choose.capabilities("ra")["linear"] is False

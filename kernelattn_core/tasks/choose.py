@@ -46,13 +46,17 @@ LEARNED = 0.05
 REFERENCES = ("exact", "baseline:no-mixing", "baseline:mean-v", "oracle:top-k")
 
 
-def capabilities(name: str) -> dict[str, Any]:
-    """What the registry says about ``name`` as an estimator (built with its defaults)."""
+def capabilities(spec: str) -> dict[str, Any]:
+    """What the registry says about the estimator ``spec`` (a name, or ``NAME:key=value,...``
+    as :func:`~kernelattn_core.tasks.run.parse_spec` reads it: the options can change it,
+    e.g. ``sliding-window:feature_map=prf`` has random features, not learned ones)."""
     from ..api import create
     from ..interfaces.estimator import supports_step
     from ..registry import get_registry
+    from .run import parse_spec
 
-    est = create(name)
+    name, options = parse_spec(spec)
+    est = create(name, **options)
     fm = getattr(est, "feature_map", None)
     if name == "exact":
         features = "none (softmax)"
@@ -98,7 +102,7 @@ def collect(tasks: list[dict], compare: list[dict]) -> dict[str, dict[str, Any]]
             entry["beats"][r["regime"]] = bool(r["beats_mean_v"])
     for spec, entry in rows.items():
         if spec not in REFERENCES[1:]:
-            entry.update(capabilities(spec.split(":", 1)[0]))
+            entry.update(capabilities(spec))
     return rows
 
 
