@@ -303,3 +303,9 @@ def test_capabilities_read_the_options_of_a_spec() -> None:
     assert choose.capabilities("sliding-window:feature_map=prf")["features"] == "random, positive"
     assert choose.capabilities("sliding-window:init=prf")["features"] == "learned, positive"
     assert choose.capabilities("lara")["causal"] is False and choose.capabilities("ra")["linear"] is False
+
+
+def test_results_of_an_estimator_not_installed_here_are_refused_by_name(data: dict) -> None:
+    tasks = [*data["seeds"], {**data["seeds"][2], "estimator": "no-such-plugin-map"}]
+    with pytest.raises(choose.InputError, match="estimator 'no-such-plugin-map' of the results is not installed here"):
+        choose.choose(tasks)

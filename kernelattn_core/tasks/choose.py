@@ -100,9 +100,15 @@ def collect(tasks: list[dict], compare: list[dict]) -> dict[str, dict[str, Any]]
         entry["minilm"][r["regime"]] = r["attn_rel_error"]
         if r.get("beats_mean_v") is not None:
             entry["beats"][r["regime"]] = bool(r["beats_mean_v"])
+    from ..errors import UnknownNameError
+
     for spec, entry in rows.items():
         if spec not in REFERENCES[1:]:
-            entry.update(capabilities(spec))
+            try:
+                entry.update(capabilities(spec))
+            except UnknownNameError as err:  # results of an estimator whose plugin is not installed here
+                why = "its capabilities decide the picks"
+                raise InputError(f"estimator {spec!r} of the results is not installed here ({why}): {err}") from err
     return rows
 
 
