@@ -327,3 +327,9 @@ def test_every_registered_estimator_is_in_the_docs_table_or_named_as_missing() -
     assert all(
         f"``{name}``" in page.split("Two registered estimators are in neither file")[1][:200] for name in missing
     )
+
+
+def test_a_conversion_without_the_embedding_evaluation_is_still_a_candidate(data: dict) -> None:
+    bare = {k: v for k, v in data["fitted"][0].items() if not k.startswith(("passage", "nn_"))}
+    picks, figures = choose.pick_fitted({}, [bare])
+    assert picks == ["sliding-window"] and figures.endswith("(every layer, every evaluation text)")
