@@ -333,3 +333,13 @@ def test_a_conversion_without_the_embedding_evaluation_is_still_a_candidate(data
     bare = {k: v for k, v in data["fitted"][0].items() if not k.startswith(("passage", "nn_"))}
     picks, figures = choose.pick_fitted({}, [bare])
     assert picks == ["sliding-window"] and figures.endswith("(every layer, every evaluation text)")
+
+
+def test_a_budget_sweep_of_another_task_gets_its_own_columns(data: dict) -> None:
+    zoology = json.loads((STATIC / "tasks" / "zoology.json").read_text(encoding="utf-8"))
+    other = [{**r, "task": "induction", "accuracy": 0.5} for r in zoology if r["estimator"] == "prf"]
+    header, rows = choose.budgets_table(zoology + other, [])
+    assert header[1:4] == ["mqar % at 16", "mqar % at 64", "mqar % at 256"]
+    assert header[4:] == ["induction % at 16", "induction % at 64", "induction % at 256"]
+    prf = {r[0]: r for r in rows}["prf"]
+    assert all(cell.startswith("50.0 ± ") for cell in prf[4:7]) and not prf[1].startswith("50.0")  # not mixed

@@ -352,31 +352,30 @@ def figure(tasks: Sequence[dict[str, Any]], compare: Sequence[dict[str, Any]], p
 
 
 def budgets_table(zoology: list[dict], compare: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """What more features buy: MQAR accuracy at each budget of the zoology preset (mean and
-    standard deviation over its seeds) and the unfitted MiniLM error at each budget of the
-    comparison (mean over layers), one row per estimator spec with a budget; the top-k
-    oracle (softmax over each query's ``k`` largest logits, quadratic) last, as what a
-    sparse budget of that size could reach."""
-    mqar = sorted({r["budget"] for r in zoology if r.get("budget") is not None and not r.get("error")})
+    """What more features buy: the accuracy on each task of a tasks sweep over budgets (the
+    zoology preset: MQAR; mean and standard deviation over its seeds) at each budget, and
+    the unfitted MiniLM error at each budget of the comparison (mean over layers), one row
+    per estimator spec with a budget; the top-k oracle (softmax over each query's ``k``
+    largest logits, quadratic) last, as what a sparse budget of that size could reach."""
+    swept = [r for r in zoology if r.get("budget") is not None and not r.get("error") and r.get("accuracy") is not None]
+    columns = sorted({(r["task"], r["budget"]) for r in swept}, key=lambda c: (c[0] != "mqar", c))
     minilm = sorted({r["budget"] for r in compare if r.get("budget") is not None and not r.get("error")})
-    acc: dict[str, dict[int, str]] = {}
+    acc: dict[str, dict[tuple[str, int], str]] = {}
     err: dict[str, dict[int, list[float]]] = {}
-    for r in zoology:
-        if r.get("budget") is not None and not r.get("error") and r.get("accuracy") is not None:
-            std = f" ± {100 * r['accuracy_std']:.1f}" if r.get("accuracy_std") is not None else ""
-            acc.setdefault(r["estimator"], {})[r["budget"]] = f"{100 * r['accuracy']:.1f}{std}"
+    for r in swept:
+        std = f" ± {100 * r['accuracy_std']:.1f}" if r.get("accuracy_std") is not None else ""
+        acc.setdefault(r["estimator"], {})[(r["task"], r["budget"])] = f"{100 * r['accuracy']:.1f}{std}"
     for r in compare:
         if r.get("budget") is not None and not r.get("error") and r.get("attn_rel_error") is not None:
             if not r["estimator"].startswith("example-"):
                 err.setdefault(r["estimator"], {}).setdefault(r["budget"], []).append(r["attn_rel_error"])
     names = sorted(set(acc) | set(err), key=lambda n: (n.startswith("oracle:"), n not in acc, n))
-    header = ["estimator", *(f"mqar % at {b}" for b in mqar), *(f"MiniLM error at {b}" for b in minilm)]
+    header = ["estimator", *(f"{t} % at {b}" for t, b in columns), *(f"MiniLM error at {b}" for b in minilm)]
     out = []
     for n in names:
         errors = [err.get(n, {}).get(b) for b in minilm]
-        out.append(
-            [n, *(acc.get(n, {}).get(b, "-") for b in mqar), *("-" if e is None else f"{mean(e):.3f}" for e in errors)]
-        )
+        cells = [acc.get(n, {}).get(c, "-") for c in columns]
+        out.append([n, *cells, *("-" if e is None else f"{mean(e):.3f}" for e in errors)])
     return header, out
 
 
