@@ -31,7 +31,9 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
-from ..errors import InputError
+from ..errors import InputError, UnknownNameError
+from .model import NO_MIXING
+from .run import EXACT, LEARNED_MARGIN, parse_spec
 
 #: the tasks of the seeds preset, as the table shows them (the recall tasks first)
 TASKS = ("mqar", "induction", "selective-copy", "listops")
@@ -41,9 +43,10 @@ MINILM_BUDGET = 128
 #: one held-out ListOps accuracy (512 examples, one label each, near 0.4) carries a standard
 #: error of about 2 points: estimators within it of the best are a tie
 LISTOPS_TIE = 0.02
-#: "learned" in the tasks table: beats the floor (no token mixing) by more than this
-LEARNED = 0.05
-REFERENCES = ("exact", "baseline:no-mixing", "baseline:mean-v", "oracle:top-k")
+#: the references of the results: exact attention and the floor (tasks), the mean of V and
+#: the top-k oracle (the MiniLM comparison)
+MEAN_V = "baseline:mean-v"
+REFERENCES = (EXACT, NO_MIXING, MEAN_V, "oracle:top-k")
 
 
 def capabilities(spec: str) -> dict[str, Any]:
@@ -53,12 +56,11 @@ def capabilities(spec: str) -> dict[str, Any]:
     from ..api import create
     from ..interfaces.estimator import supports_step
     from ..registry import get_registry
-    from .run import parse_spec
 
     name, options = parse_spec(spec)
     est = create(name, **options)
     fm = getattr(est, "feature_map", None)
-    if name == "exact":
+    if name == EXACT:
         features = "none (softmax)"
     elif fm is None:
         features = "sampled keys"
@@ -72,6 +74,16 @@ def capabilities(spec: str) -> dict[str, Any]:
         "decodes": supports_step(est),
         "linear": bool(getattr(est, "linear", False)),
     }
+
+
+def _measured(compare: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The comparison's records with an error measured, those of the tutorial's example
+    plugin (``example-*``, not a package estimator) left out."""
+    return [
+        r
+        for r in compare
+        if not r.get("error") and r.get("attn_rel_error") is not None and not r["estimator"].startswith("example-")
+    ]
 
 
 def collect(tasks: list[dict], compare: list[dict]) -> dict[str, dict[str, Any]]:
@@ -91,17 +103,13 @@ def collect(tasks: list[dict], compare: list[dict]) -> dict[str, dict[str, Any]]
         entry["tasks"][r["task"]] = r["accuracy"]
         if r.get("time_vs_exact") is not None:
             entry["time"][r["task"]] = r["time_vs_exact"]
-    for r in compare:
-        if r.get("error") or r.get("attn_rel_error") is None or r["estimator"].startswith("example-"):
-            continue  # the tutorial's example plugin is not a package estimator
+    for r in _measured(compare):
         if r["budget"] not in (None, MINILM_BUDGET):
             continue
         entry = row(r["estimator"])
         entry["minilm"][r["regime"]] = r["attn_rel_error"]
         if r.get("beats_mean_v") is not None:
             entry["beats"][r["regime"]] = bool(r["beats_mean_v"])
-    from ..errors import UnknownNameError
-
     for spec, entry in rows.items():
         if spec not in REFERENCES[1:]:
             try:
@@ -142,10 +150,10 @@ def estimators_table(rows: dict[str, dict[str, Any]]) -> tuple[list[str], list[l
     out = []
     order = sorted(
         (e for e in rows.values() if e["name"] not in REFERENCES[1:]),
-        key=lambda e: (e["name"] != "exact", -(_recall(e) if _recall(e) is not None else -1), e["name"]),
+        key=lambda e: (e["name"] != EXACT, -(_recall(e) if _recall(e) is not None else -1), e["name"]),
     )
-    floor = rows.get("baseline:no-mixing")
-    mean_v = rows.get("baseline:mean-v")
+    floor = rows.get(NO_MIXING)
+    mean_v = rows.get(MEAN_V)
     for e in [*order, *(x for x in (floor, mean_v) if x is not None)]:
         ref = e["name"] in REFERENCES[1:]
         name = e["name"]
@@ -161,7 +169,7 @@ def estimators_table(rows: dict[str, dict[str, Any]]) -> tuple[list[str], list[l
                 "-" if ref else ("yes" if e["decodes"] else "no"),
                 "-" if ref else ("linear" if e["linear"] else "quadratic"),
                 *(_pct(e["tasks"].get(t)) for t in TASKS),
-                "-" if not times or e["name"] == "exact" else f"{mean(times):.2f}",
+                "-" if not times or e["name"] == EXACT else f"{mean(times):.2f}",
                 "-" if err is None else f"{err:.3f}",
                 f"{sum(layers.values())}/{len(layers)}" if layers else "-",
             ]
@@ -185,16 +193,16 @@ def pick_recall(rows: dict[str, dict[str, Any]], fitted: list[dict[str, Any]]) -
     measured = [e for e in _linear(rows) if _recall(e) is not None]
     if not measured:
         return [], "not measured (needs mqar and induction)"
-    floor = _recall(rows["baseline:no-mixing"]) if "baseline:no-mixing" in rows else None
+    floor = _recall(rows[NO_MIXING]) if NO_MIXING in rows else None
     pool = sorted(
-        (e for e in measured if floor is None or _recall(e) > floor + LEARNED),  # type: ignore[operator]
+        (e for e in measured if floor is None or _recall(e) > floor + LEARNED_MARGIN),  # type: ignore[operator]
         key=lambda e: -_recall(e),  # type: ignore[operator]
     )
     if not pool:
-        return [], f"none of {len(measured)} beats the floor ({_pct(floor)}) by {100 * LEARNED:.0f} points"
+        return [], f"none of {len(measured)} beats the floor ({_pct(floor)}) by {100 * LEARNED_MARGIN:.0f} points"
     best = pool[:3]
     shown = "; ".join(f"{e['name']} {_pct(e['tasks']['mqar'])} / {_pct(e['tasks']['induction'])}" for e in best)
-    exact = [_pct(_task(rows, "exact", t)) for t in RECALL]
+    exact = [_pct(_task(rows, EXACT, t)) for t in RECALL]
     return [e["name"] for e in best], f"{shown} (exact {exact[0]} / {exact[1]})"
 
 
@@ -204,9 +212,9 @@ def pick_listops(rows: dict[str, dict[str, Any]], fitted: list[dict[str, Any]]) 
     if not pool:
         return [], "not measured (needs listops)"
     top = max(e["tasks"]["listops"] for e in pool)
-    exact, floor = (_task(rows, n, "listops") for n in ("exact", "baseline:no-mixing"))
-    if floor is not None and top <= floor + LEARNED:
-        return [], f"none of {len(pool)} beats the floor ({_pct(floor)}) by {100 * LEARNED:.0f} points"
+    exact, floor = (_task(rows, n, "listops") for n in (EXACT, NO_MIXING))
+    if floor is not None and top <= floor + LEARNED_MARGIN:
+        return [], f"none of {len(pool)} beats the floor ({_pct(floor)}) by {100 * LEARNED_MARGIN:.0f} points"
     tied = sorted((e for e in pool if e["tasks"]["listops"] >= top - LISTOPS_TIE), key=lambda e: -e["tasks"]["listops"])
     return [e["name"] for e in tied], (
         f"{len(tied)} of {len(pool)} within {100 * LISTOPS_TIE:.0f} points of the best ({_pct(top)}); "
@@ -232,7 +240,7 @@ def pick_fitted(rows: dict[str, dict[str, Any]], fitted: list[dict[str, Any]]) -
 def pick_unfitted(rows: dict[str, dict[str, Any]], fitted: list[dict[str, Any]]) -> tuple[list[str], str]:
     """The fourth need of :data:`NEEDS`, from the MiniLM comparison."""
     pool = [e for e in _linear(rows) if e["beats"] and all(e["beats"].values())]
-    mean_v = _minilm(rows["baseline:mean-v"]) if "baseline:mean-v" in rows else None
+    mean_v = _minilm(rows[MEAN_V]) if MEAN_V in rows else None
     if mean_v is None:
         return [], "not measured (needs the MiniLM comparison)"
     pool.sort(key=lambda e: _minilm(e))  # type: ignore[arg-type, return-value]
@@ -243,12 +251,12 @@ def pick_unfitted(rows: dict[str, dict[str, Any]], fitted: list[dict[str, Any]])
 
 def pick_fail_recall(rows: dict[str, dict[str, Any]], fitted: list[dict[str, Any]]) -> tuple[list[str], str]:
     """The fifth need of :data:`NEEDS`: the linear estimators at the floor on two recall tasks."""
-    floor = rows.get("baseline:no-mixing", {}).get("tasks", {})
+    floor = rows.get(NO_MIXING, {}).get("tasks", {})
     if not all(t in floor for t in ("mqar", "selective-copy")):
         return [], "not measured (needs mqar and selective-copy)"
 
     def at_floor(e: dict[str, Any], task: str) -> bool:
-        return e["tasks"].get(task) is not None and e["tasks"][task] <= floor[task] + LEARNED
+        return e["tasks"].get(task) is not None and e["tasks"][task] <= floor[task] + LEARNED_MARGIN
 
     pool = [e for e in _linear(rows) if at_floor(e, "mqar") and at_floor(e, "selective-copy")]
     shown = "; ".join(f"{e['name']} {_pct(e['tasks']['mqar'])} / {_pct(e['tasks']['selective-copy'])}" for e in pool)
@@ -259,7 +267,7 @@ def pick_fail_recall(rows: dict[str, dict[str, Any]], fitted: list[dict[str, Any
 NEEDS: tuple[tuple[str, str, Picker], ...] = (
     (
         "train from scratch: recall (associative recall, induction)",
-        f"linear estimators with the highest mean accuracy on mqar and induction, {100 * LEARNED:.0f} points or "
+        f"linear estimators with the highest mean accuracy on mqar and induction, {100 * LEARNED_MARGIN:.0f} points or "
         "more above the floor (top 3; mqar / induction %)",
         pick_recall,
     ),
@@ -282,7 +290,7 @@ NEEDS: tuple[tuple[str, str, Picker], ...] = (
     ),
     (
         "avoid for recall",
-        f"linear estimators within {100 * LEARNED:.0f} points of the floor on mqar and selective-copy (%)",
+        f"linear estimators within {100 * LEARNED_MARGIN:.0f} points of the floor on mqar and selective-copy (%)",
         pick_fail_recall,
     ),
 )
@@ -332,11 +340,11 @@ def figure(tasks: Sequence[dict[str, Any]], compare: Sequence[dict[str, Any]], p
     if placed:
         xs = [px for px, _ in placed]
         ax.set_xlim(0.6 * min(xs), 2.5 * max(xs))  # room for the labels at either end
-    for name, style in (("exact", dict(color="black", ls="--")), ("baseline:no-mixing", dict(color="0.45", ls=":"))):
+    for name, style in ((EXACT, dict(color="black", ls="--")), (NO_MIXING, dict(color="0.45", ls=":"))):
         y = _recall(rows[name]) if name in rows else None
         if y is not None:
             ax.axhline(100 * y, lw=1.2, label=f"{name} (accuracy)", **style)  # type: ignore[arg-type]
-    mean_v = _minilm(rows["baseline:mean-v"]) if "baseline:mean-v" in rows else None
+    mean_v = _minilm(rows[MEAN_V]) if MEAN_V in rows else None
     if mean_v is not None:
         ax.axvline(mean_v, color="0.45", ls="--", lw=1.2, label="mean of V (error)")
     ax.set(
@@ -365,10 +373,9 @@ def budgets_table(zoology: list[dict], compare: list[dict]) -> tuple[list[str], 
     for r in swept:
         std = f" ± {100 * r['accuracy_std']:.1f}" if r.get("accuracy_std") is not None else ""
         acc.setdefault(r["estimator"], {})[(r["task"], r["budget"])] = f"{100 * r['accuracy']:.1f}{std}"
-    for r in compare:
-        if r.get("budget") is not None and not r.get("error") and r.get("attn_rel_error") is not None:
-            if not r["estimator"].startswith("example-"):
-                err.setdefault(r["estimator"], {}).setdefault(r["budget"], []).append(r["attn_rel_error"])
+    for r in _measured(compare):
+        if r["budget"] is not None:
+            err.setdefault(r["estimator"], {}).setdefault(r["budget"], []).append(r["attn_rel_error"])
     names = sorted(set(acc) | set(err), key=lambda n: (n.startswith("oracle:"), n not in acc, n))
     header = ["estimator", *(f"{t} % at {b}" for t, b in columns), *(f"MiniLM error at {b}" for b in minilm)]
     out = []
@@ -443,8 +450,8 @@ def choose(
 
 __all__ = [
     "FIELDS",
-    "LEARNED",
     "LISTOPS_TIE",
+    "MEAN_V",
     "MINILM_BUDGET",
     "NEEDS",
     "budgets_table",
