@@ -21,22 +21,27 @@ A file that is missing leaves its columns and picks empty.
 from __future__ import annotations
 
 import csv
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from kernelattn_core.errors import InputError
-from kernelattn_core.tasks.choose import choose, conversion_summary, figure
+from kernelattn_core.tasks.choose import choose, conversion_summary, figure, read_results
 
 #: the figure beside the tables
 FIGURE = "learn_vs_approximate.png"
-#: the measured files under the folder given, relative to it
-SOURCES = ("tasks/seeds.json", "choosing/minilm_compare.json", "tasks/zoology.json")
+#: the measured files under the folder given, relative to it, and the kind of their records
+SOURCES = {"tasks/seeds.json": "tasks", "choosing/minilm_compare.json": "compare", "tasks/zoology.json": "tasks"}
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
-    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
+def _records(path: Path, kind: str) -> list[dict[str, Any]]:
+    """The records of ``path`` (checked to be of ``kind``), none when it does not exist."""
+    return read_results(path, str(path), kind) if path.exists() else []
+
+
+def _sources(static: Path) -> list[list[dict[str, Any]]]:
+    """The records of each file of :data:`SOURCES` under ``static``, read once."""
+    return [_records(static / name, kind) for name, kind in SOURCES.items()]
 
 
 def conversions(static: Path) -> list[dict[str, Any]]:
@@ -44,16 +49,19 @@ def conversions(static: Path) -> list[dict[str, Any]]:
     the default fitting corpus (``fit_texts == "fitting"``), each with its file name."""
     out = []
     for path in sorted((static / "convert").glob("minilm_*.json")):
-        summary = conversion_summary(_records(path), path.name)
+        summary = conversion_summary(_records(path, "convert"), path.name)
         if summary.get("fit_texts") == "fitting":
             out.append(summary)
     return out
 
 
-def tables(static: Path) -> dict[str, tuple[list[str], list[list[str]]]]:
+def tables(
+    static: Path, sources: list[list[dict[str, Any]]] | None = None
+) -> dict[str, tuple[list[str], list[list[str]]]]:
     """The three tables from the files under ``static`` (``docs/_static``, or a folder of your
-    own laid out the same way), keyed by their file names."""
-    seeds, compare, zoology = (_records(static / name) for name in SOURCES)
+    own laid out the same way; ``sources``: their records if already read), keyed by their
+    file names."""
+    seeds, compare, zoology = _sources(static) if sources is None else sources
     return {f"{name}.csv": table for name, table in choose(seeds, compare, zoology, conversions(static)).items()}
 
 
@@ -76,11 +84,12 @@ def main(argv: list[str]) -> int:
         return 2
     for name in missing:
         print(f"{static / name} is missing: its columns and picks stay empty", file=sys.stderr)
-    for name, (header, rows) in tables(static).items():
+    sources = _sources(static)
+    for name, (header, rows) in tables(static, sources).items():
         write(static / "choosing" / name, header, rows)
         print(f"wrote {static / 'choosing' / name} ({len(rows)} rows)")
     try:
-        path = figure(_records(static / SOURCES[0]), _records(static / SOURCES[1]), static / "choosing" / FIGURE)
+        path = figure(sources[0], sources[1], static / "choosing" / FIGURE)
         print(f"wrote {path}")
     except InputError as err:  # matplotlib missing, or nothing to draw: the tables do not need it
         print(f"no figure: {err}", file=sys.stderr)
