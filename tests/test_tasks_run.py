@@ -280,6 +280,47 @@ def test_estimator_specs_carry_options() -> None:
     assert by["hedgehog"]["options"] == {"num_features": 8}
 
 
+def test_a_spec_that_sets_its_own_size_runs_once_without_a_budget_label() -> None:
+    """``prf:num_features=128 --budget 16 --budget 64`` ran two rows labelled 16 and 64, both
+    with 128 features; ``sliding-window:window=8`` at budget 64 ran 8 + 48 keys labelled 64."""
+    from kernelattn_core.tasks.run import has_budget
+
+    assert has_budget("prf") and has_budget("sliding-window:init=prf") and has_budget("hedgehog:init=prf")
+    assert not has_budget("prf:num_features=16") and not has_budget("sliding-window:window=8")
+    records = run_tasks(["mqar"], ["prf:num_features=16", "prf"], [8, 16], steps=1, progress=False, recipe=SMALL)
+    own = [r for r in records if r["estimator"] == "prf:num_features=16"]
+    assert [(r["budget"], r["options"]) for r in own] == [(None, {"num_features": 16})]
+    swept = [(r["budget"], r["options"]) for r in records if r["estimator"] == "prf"]
+    assert swept == [(8, {"num_features": 8}), (16, {"num_features": 16})]  # negative control: swept
+
+
+def test_seeds_and_budgets_take_one_int_and_refuse_a_seed_twice() -> None:
+    """``--seeds 0 0 --jobs 2`` lost every row (keyed by seed, the runs never completed) and
+    exited 0; with one job the copies made a standard deviation of identical runs."""
+    records = run_tasks("mqar", "elu", budgets=8, seeds=3, steps=1, progress=False, recipe=SMALL)
+    assert {tuple(r["seeds"]) for r in records} == {(3,)}
+    with pytest.raises(InputError, match=r"seeds: expected distinct seeds .*got \[0\] more than once"):
+        run_tasks("mqar", "elu", seeds=[0, 1, 0], steps=1, progress=False)
+
+
+def test_cli_repeated_seeds_flags_add_up_and_bad_output_paths_fail_first(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "r.json"
+    argv = ["tasks", "--task", "mqar", "--estimator", "elu", "--steps", "1", "--no-progress"]
+    assert main([*argv, "--seeds", "0", "--seeds", "1", "--output", str(out)]) == 0
+    assert {tuple(r["seeds"]) for r in json.loads(out.read_text())} == {(0, 1)}  # argparse kept only [1]
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    for flag, path, message in (
+        ("--output", tmp_path, "--output: expected a file name, got the folder"),
+        ("--output", blocker / "x.json", "--output: expected a path in a folder, got"),
+        ("--plot", blocker / "x.png", "--plot: expected a path in a folder, got"),
+    ):
+        assert main([*argv, flag, str(path)]) == 2, flag
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+    assert not any(tmp_path.glob("**/*.png"))
+
+
 def test_quadratic_estimators_run_at_their_own_setting_not_the_budget() -> None:
     pytest.importorskip("kernelattn_sampling")
     from kernelattn_core.tasks.run import has_budget

@@ -54,7 +54,7 @@ def add_parser(sub: Any) -> None:
         help="a registry name or alias, or NAME:key=value,... with options (repeatable; e.g. hedgehog:init=prf)",
     )
     p.add_argument("--budget", action="append", type=int, metavar="D", help="budget per query (repeatable; 64)")
-    p.add_argument("--seeds", nargs="+", type=int, metavar="S", help="seeds (default: 0)")
+    p.add_argument("--seeds", nargs="+", action="extend", type=int, metavar="S", help="seeds (default: 0; repeatable)")
     p.add_argument("--steps", type=int, metavar="N", help="training steps (default: the task's recipe)")
     p.add_argument("--scale", choices=("quick", "paper"), default="quick", help="task sizes and recipe (quick)")
     p.add_argument("--preset", choices=PRESET_NAMES, help="a named selection (see above)")

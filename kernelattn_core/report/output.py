@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -121,6 +122,28 @@ def render(records: Sequence[dict[str, Any]], columns: Sequence[str], fmt: str, 
     if fmt == "table":
         return table(records, columns)
     raise ValueError(f"format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+
+
+def check_output_path(flag: str, path: str | os.PathLike[str] | None) -> None:
+    """Refuse, before any work, an output path that :func:`emit` or a figure could not
+    write after it: a folder, or a path under a file or an unwritable folder (missing
+    folders are fine: they are created). ``flag`` names the argument in the error."""
+    if path is None or str(path) == "":
+        return
+    from pathlib import Path
+
+    from ..errors import InputError
+
+    target = Path(path)
+    if target.is_dir():
+        raise InputError(f"{flag}: expected a file name, got the folder {str(path)!r}")
+    folder = target.parent
+    while not folder.exists() and folder != folder.parent:  # the nearest folder that exists
+        folder = folder.parent
+    if not folder.is_dir():
+        raise InputError(f"{flag}: expected a path in a folder, got {str(path)!r}, under the file {str(folder)!r}")
+    if not os.access(folder, os.W_OK):
+        raise InputError(f"{flag}: the folder {str(folder)!r} of {str(path)!r} is not writable")
 
 
 def emit(

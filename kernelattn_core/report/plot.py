@@ -33,12 +33,16 @@ def pyplot() -> Any:
 
 
 def check_plot_path(path: str | Path | None) -> Path | None:
-    """The ``--plot`` path, checked before any work is done (suffix and matplotlib)."""
+    """The ``--plot`` path, checked before any work is done (suffix, a writable place:
+    :func:`~kernelattn_core.report.output.check_output_path`, and matplotlib)."""
     if path is None:
         return None
+    from .output import check_output_path
+
     p = Path(path)
     if p.suffix.lower() not in SUFFIXES:
         raise InputError(f"--plot: expected a file ending in {', '.join(SUFFIXES)}, got {str(path)!r}")
+    check_output_path("--plot", p)
     pyplot()
     return p
 

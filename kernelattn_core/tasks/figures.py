@@ -15,7 +15,11 @@ EXACT = "exact"
 
 
 def check_output_paths(plot: str | Path | None, output: str | Path | None) -> None:
-    """Refuse a bad ``--plot`` path (suffix, matplotlib missing) before any training."""
+    """Refuse a bad ``--plot`` path (suffix, matplotlib missing, not writable) or
+    ``--output`` path (a folder, under a file) before any training."""
+    from ..report.output import check_output_path
+
+    check_output_path("--output", output)
     check_plot_path(plot)
 
 

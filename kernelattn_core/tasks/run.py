@@ -228,18 +228,27 @@ def cannot_run(name: str, task: Task) -> str | None:
     return None
 
 
+#: the options :func:`budget_options` sets, where they are more than ``num_features``
+_BUDGET_KEYS = {"sliding-window": {"window", "num_features"}}
+
+
 def has_budget(name: str) -> bool:
     """Whether ``name`` (a registry name or spec) is swept over the budget.
 
     Estimators quadratic in the length (``linear = False``: ``ra``, ``ra-biased``) are not:
     their ``num_features`` is a number of samples per query, each a pass over every key,
     not a per-query state; they run at their own default (the paper's one sample), and a
-    spec (``ra:num_features=4``) sets another."""
-    name = parse_spec(name)[0]
-    if name in (EXACT, NO_MIXING):
+    spec (``ra:num_features=4``) sets another. Nor is a spec that sets an option the budget
+    sets (``num_features``; ``sliding-window``'s ``window`` too): ``prf:num_features=128``
+    runs once, at its own size, with no budget in its row (a budget label on it would name a
+    size it does not have)."""
+    base, spec_options = parse_spec(name)
+    if base in (EXACT, NO_MIXING):
         return False
-    cls = get_registry().get(name).cls
-    return bool(getattr(cls, "has_budget", False)) and bool(getattr(cls, "linear", True))
+    entry = get_registry().get(base)
+    if not (getattr(entry.cls, "has_budget", False) and getattr(entry.cls, "linear", True)):
+        return False
+    return not spec_options.keys() & _BUDGET_KEYS.get(entry.name, {"num_features"})
 
 
 def budget_options(name: str, budget: int | None, causal: bool, head_dim: int = 32) -> dict[str, Any]:
@@ -253,7 +262,7 @@ def budget_options(name: str, budget: int | None, causal: bool, head_dim: int = 
     needs): the same total per query as a pure feature map.
     """
     base, spec_options = parse_spec(name)
-    if budget is None or not has_budget(base):
+    if budget is None or not has_budget(name):
         return {}
     if get_registry().get(base).name == "sliding-window":
         window = max(1, budget // 4) if causal else max(1, budget // 8)
@@ -292,9 +301,9 @@ def _summary_stats(values: Sequence[float]) -> tuple[float | None, float | None]
 def run_tasks(
     tasks: Sequence[str] | None = None,
     estimators: Sequence[str] | None = None,
-    budgets: Sequence[int] = DEFAULT_BUDGETS,
+    budgets: int | Sequence[int] = DEFAULT_BUDGETS,
     *,
-    seeds: Sequence[int] = (0,),
+    seeds: int | Sequence[int] = (0,),
     scale: str = "quick",
     steps: int | None = None,
     quadratic: bool = False,
@@ -316,10 +325,11 @@ def run_tasks(
         Registry names, or ``NAME:key=value,...`` specs (:func:`parse_spec`) to run an
         estimator with options; :func:`default_estimators` when ``None``. ``exact`` and the floor
         are always added (the references of every table).
-    budgets : sequence of int
-        Budgets per query (:func:`budget_options`); estimators without one get one row.
-    seeds : sequence of int
-        Each seed fixes the data, the held-out set and the parameters of one run.
+    budgets : int or sequence of int
+        Budgets per query (:func:`budget_options`); estimators without one, and specs that
+        set their own size (:func:`has_budget`), get one row.
+    seeds : int or sequence of int
+        Each seed fixes the data, the held-out set and the parameters of one run; distinct.
     scale : {"quick", "paper"}
         Task sizes and training recipe (:data:`RECIPES`).
     steps : int, optional
@@ -369,10 +379,15 @@ def run_tasks(
     chosen = [get_task(t) for t in task_names]
     if scale not in ("quick", "paper"):
         raise InputError(f"scale: expected 'quick' or 'paper', got {scale!r}")
+    seeds = [seeds] if isinstance(seeds, int) else seeds  # one seed: a list of one
+    budgets = [budgets] if isinstance(budgets, int) else budgets
     if not seeds:
         raise InputError("seeds: expected at least one seed, got none")
     for seed in seeds:
         check_positive_int("seeds", seed, 0)
+    if len(set(seeds)) < len(seeds):
+        twice = sorted({s for s in seeds if list(seeds).count(s) > 1})
+        raise InputError(f"seeds: expected distinct seeds (a seed fixes its run), got {twice} more than once")
     for b in budgets:
         if not isinstance(b, int) or isinstance(b, bool) or b < 1:
             raise InputError(f"budget: expected positive ints, got {b!r}")
