@@ -265,8 +265,11 @@ def test_the_command_writes_any_table_as_csv_or_json(tmp_path: Path) -> None:
         == 0
     )
     rows = json.loads(out.read_text(encoding="utf-8"))
-    assert rows[0]["estimator"] == "exact" and rows[0]["mqar %"] == "100.0"
-    assert {r["MiniLM error (128)"] for r in rows} == {"-"}  # no comparison given
+    # typed as JSON reads them: numbers, booleans, null for a dash (not the table's strings)
+    assert rows[0]["estimator"] == "exact" and rows[0]["mqar %"] == 100.0
+    prf = next(r for r in rows if r["estimator"] == "prf")
+    assert prf["causal"] is True and isinstance(prf["step vs exact"], float) and prf["step vs exact"] > 1
+    assert {r["MiniLM error (128)"] for r in rows} == {None}  # no comparison given
 
 
 @pytest.mark.parametrize(
@@ -287,6 +290,28 @@ def test_the_command_refuses_what_it_cannot_read(
     monkeypatch.chdir(ROOT)
     assert cli(["choose", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_what_the_tables_would_misread_is_refused(data: dict) -> None:
+    """A synthetic comparison (its errors are not MiniLM's), a comparison without the budget
+    the tables read, and a tasks file with several budgets of one estimator (the last would
+    silently win) are refused, naming what came; the shipped files pass (negative control)."""
+    choose.choose(data["seeds"], data["compare"])
+    synthetic = [{**r, "workload": "synthetic"} for r in data["compare"]]
+    with pytest.raises(choose.InputError, match="compare: expected a comparison on real MiniLM attention.*synthetic"):
+        choose.choose(data["seeds"], synthetic)
+    at_64 = [r for r in data["compare"] if r["budget"] in (None, 64)]
+    assert at_64 and any(r["budget"] == 64 for r in at_64)
+    with pytest.raises(choose.InputError, match=r"expected MiniLM errors at budget 128 .*got budgets \[64\]"):
+        choose.choose(data["seeds"], at_64)
+    with pytest.raises(choose.InputError, match=r"expected MiniLM errors at budget 128"):
+        choose.figure(data["seeds"], at_64, "never.png")
+    prf = next(r for r in data["seeds"] if r["estimator"] == "prf")
+    twice = [*data["seeds"], {**prf, "budget": 256, "accuracy": 0.99}]
+    with pytest.raises(
+        choose.InputError, match=r"tasks: expected one budget per estimator.*prf on \w+ at budgets \[64, 256\]"
+    ):
+        choose.choose(twice)
 
 
 def test_a_convert_report_without_its_summary_is_refused() -> None:

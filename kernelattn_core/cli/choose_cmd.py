@@ -61,13 +61,14 @@ def _picks_text(header: list[str], rows: list[list[str]]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import InputError
-    from ..report.output import emit, resolve_format
+    from ..report.output import check_output_path, emit, resolve_format
     from ..report.plot import check_plot_path
     from ..tasks.choose import choose, conversion_summary, figure, read_results
 
     if not (args.tasks or args.compare or args.zoology or args.conversion):
         raise InputError("choose: expected at least one of --tasks, --compare, --zoology, --conversion; got none")
     check_plot_path(args.plot)
+    check_output_path("--output", args.output)
     tasks = read_results(args.tasks, "--tasks", "tasks") if args.tasks else []
     compare = read_results(args.compare, "--compare", "compare") if args.compare else []
     zoology = read_results(args.zoology, "--zoology", "tasks") if args.zoology else []
@@ -79,7 +80,20 @@ def run(args: argparse.Namespace) -> int:
     if fmt == "table" and args.table == "picks" and not args.output:
         print(_picks_text(header, rows))
     else:
-        emit([dict(zip(header, row)) for row in rows], header, fmt, args.output)
+        cells = (lambda row: [_typed(c) for c in row]) if fmt == "json" else list
+        emit([dict(zip(header, cells(row))) for row in rows], header, fmt, args.output)
     if args.plot:
         print(f"figure written to {figure(tasks, compare, args.plot)}", file=sys.stderr)
     return 0
+
+
+def _typed(cell: str) -> str | float | bool | None:
+    """A table cell as JSON reads best: ``-`` null, ``yes``/``no`` booleans, numbers as numbers."""
+    if cell == "-":
+        return None
+    if cell in ("yes", "no"):
+        return cell == "yes"
+    try:
+        return float(cell)
+    except ValueError:
+        return cell

@@ -86,9 +86,39 @@ def _measured(compare: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def _check_inputs(tasks: list[dict], compare: list[dict]) -> None:
+    """Refuse what the tables would misread: a comparison of another workload than MiniLM's,
+    one without the budget the tables read (:data:`MINILM_BUDGET`), a tasks sweep with
+    several budgets of one estimator on one task (the picks compare estimators at one
+    budget; a sweep over budgets is ``zoology``)."""
+    workloads = sorted({str(r["workload"]) for r in compare if r.get("workload") not in (None, "minilm")})
+    if workloads:
+        raise InputError(
+            f"compare: expected a comparison on real MiniLM attention (kernelattn compare --workload minilm), "
+            f"got records of the {', '.join(workloads)} workload"
+        )
+    budgets = sorted({r["budget"] for r in _measured(compare) if r.get("budget") is not None})
+    if budgets and MINILM_BUDGET not in budgets:
+        raise InputError(
+            f"compare: expected MiniLM errors at budget {MINILM_BUDGET} (the budget the tables read), got "
+            f"budgets {budgets}; run kernelattn compare --workload minilm --budgets {MINILM_BUDGET}"
+        )
+    seen: dict[tuple[str, str], set[Any]] = {}
+    for r in tasks:
+        seen.setdefault((r["task"], r["estimator"]), set()).add(r.get("budget"))
+    several = sorted((k, sorted(v)) for k, v in seen.items() if len(v) > 1)
+    if several:
+        (task, spec), values = several[0]
+        raise InputError(
+            f"tasks: expected one budget per estimator and task (the picks compare estimators at one budget), got "
+            f"{spec} on {task} at budgets {values}; a sweep over budgets is read by --zoology"
+        )
+
+
 def collect(tasks: list[dict], compare: list[dict]) -> dict[str, dict[str, Any]]:
     """One entry per estimator spec (``hedgehog:init=prf`` and ``hedgehog`` are two):
     capabilities, task accuracies, MiniLM errors."""
+    _check_inputs(tasks, compare)
     rows: dict[str, dict[str, Any]] = {}
 
     def row(spec: str) -> dict[str, Any]:
