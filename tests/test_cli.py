@@ -166,6 +166,28 @@ def test_compare_records_a_failing_estimator_and_goes_on(use_registry, capsys) -
         assert record["beats_mean_v"] is None  # a failed row is never judged
 
 
+def test_compare_spends_a_budget_per_query_as_tasks_does(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """``--budgets 16`` gave the cos/sin maps 16 frequencies (32 features, twice prf's state);
+    now every row's feature dimension is the budget, as in ``kernelattn tasks``, and the
+    row says what was built. Repeated flags add up (argparse kept the last one)."""
+    pytest.importorskip("kernelattn_prf")
+    pytest.importorskip("kernelattn_fourier")
+    import kernelattn_core as ka
+
+    out = tmp_path / "c.json"
+    argv = ["compare", "--workload", "synthetic", "--estimators", "prf", "--estimators", "rfa", "--budgets", "16"]
+    assert main([*argv, "--seq-len", "32", "--seeds", "0", "--regime", "unit", *FAST, "--output", str(out)]) == 0
+    rows = {r["estimator"]: r for r in json.loads(out.read_text()) if r["budget"] == 16}
+    assert set(rows) == {"prf", "rfa"}  # both flags kept
+    for name, row in rows.items():
+        est = ka.create(name, **row["options"])
+        est.feature_map.build(64)
+        assert est.feature_map.feature_dim == 16, name
+    assert rows["rfa"]["options"] == {"num_features": 8} and rows["prf"]["options"] == {"num_features": 16}
+    assert main(["compare", "--workload", "synthetic", "--estimators", "prf", "--output", str(tmp_path)]) == 2
+    assert "--output: expected a file name, got the folder" in capsys.readouterr().err
+
+
 def test_compare_unknown_estimator_is_a_clear_error(use_registry, capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["compare", "--estimators", "nope"]) == 2
     assert "unknown class name 'nope'; available:" in capsys.readouterr().err

@@ -87,6 +87,7 @@ CSV_COLUMNS = (
     "causal",
     "seeds",
     "workload",
+    "options",
     "error",
 )
 #: column widths of the streamed table
@@ -132,6 +133,21 @@ def default_estimators(*, quadratic: bool = False, causal: bool | None = None) -
 def _has_budget(name: str) -> bool:
     entry = get_registry().get(name)
     return bool(getattr(entry.cls, "has_budget", False))
+
+
+def spend(name: str, budget: int | None, causal: bool, head_dim: int) -> dict[str, Any]:
+    """The options that spend ``budget`` per query, as ``kernelattn tasks`` spends it
+    (:func:`~kernelattn_core.tasks.run.budget_options`): a feature dimension of ``budget``
+    (``num_features = budget / 2`` for the cos/sin maps), ``sliding-window`` a window and
+    features of the same total. An estimator quadratic in the length (``ra``) takes the
+    budget as its samples per query."""
+    from ..tasks.run import budget_options
+
+    if budget is None:
+        return {}
+    if not getattr(get_registry().get(name).cls, "linear", True):
+        return {"num_features": budget}
+    return budget_options(name, budget, causal, head_dim)
 
 
 def _target_kernel(estimator: Any) -> Kernel:
@@ -340,6 +356,7 @@ def _one(
         "estimator": name,
         "regime": regime,
         "budget": budget,
+        "options": {},  # what the budget built (:func:`spend`)
         "seq_len": n,
         "causal": causal,
         "seeds": list(seeds),
@@ -384,7 +401,8 @@ def _one(
         for i, (case, seed) in enumerate(zip(cases, seeds)) if not name.startswith(("baseline:", "oracle:")) else ():
             q, k, v, mask = case.q, case.k, case.v, case.mask
             torch.manual_seed(seed)
-            options = {} if budget is None else {"num_features": budget}
+            options = spend(name, budget, causal, q.shape[-1])
+            record["options"] = options
             est = create(name, **options)
             with torch.no_grad():
                 est.train()(q, k, v, causal=causal, key_padding_mask=mask)  # calibration: data-adapted maps fit

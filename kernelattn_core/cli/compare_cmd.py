@@ -19,7 +19,10 @@ all-MiniLM-L6-v2 on the shipped English text when the hf extra is installed (pip
 synthetic regime. Budgets 64 and 256, seeds 0 1 2, and the estimators whose cost is linear
 in the sequence length, next to exact attention. --regime or --seq-len choose the
 synthetic workload; --quadratic adds the quadratic estimators (ra, ra-biased); --all runs
-the full synthetic sweep (every regime, budgets 16 64 256 1024, every estimator). Errors
+the full synthetic sweep (every regime, budgets 16 64 256 1024, every estimator). A budget
+is spent per query as kernelattn tasks spends it: a feature dimension of D (the cos/sin
+maps rfa, gmm-rks, hcexp get D/2 frequencies), sliding-window a window and features of D in
+all, ra and ra-biased D samples; each row's options say what was built. Errors
 are the median over seeds with their interquartile range (IQR); time is
 torch.utils.benchmark's blocked autorange (median), memory the peak of tensor storage.
 
@@ -42,13 +45,26 @@ def add_parser(sub: Any) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    c.add_argument("--estimators", nargs="+", metavar="NAME", help="registry names or aliases (default: see above)")
+    c.add_argument(
+        "--estimators",
+        nargs="+",
+        action="extend",
+        metavar="NAME",
+        help="registry names or aliases (default: see above)",
+    )
     c.add_argument("--quadratic", action="store_true", help="also the estimators quadratic in the length (ra, ...)")
     c.add_argument("--all", action="store_true", help="the full sweep: every regime, 4 budgets, every estimator")
-    c.add_argument("--budgets", nargs="+", type=int, metavar="D", help="num_features values (default: 64 256)")
-    c.add_argument("--seq-len", nargs="+", type=int, metavar="N", help="synthetic lengths (256)")
+    c.add_argument(
+        "--budgets",
+        nargs="+",
+        action="extend",
+        type=int,
+        metavar="D",
+        help="budgets per query: feature dimensions, as kernelattn tasks spends them (default: 64 256)",
+    )
+    c.add_argument("--seq-len", nargs="+", action="extend", type=int, metavar="N", help="synthetic lengths (256)")
     c.add_argument("--causal", action="store_true")
-    c.add_argument("--seeds", nargs="+", type=int, metavar="S", help="seeds (default: 0 1 2)")
+    c.add_argument("--seeds", nargs="+", action="extend", type=int, metavar="S", help="seeds (default: 0 1 2)")
     c.add_argument("--regime", choices=REGIME_CHOICES, help="synthetic regime (default: gauss-0.5; --all: all)")
     c.add_argument(
         "--workload",
@@ -67,7 +83,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import InputError
-    from ..report.output import RowStream, emit, resolve_format, table
+    from ..report.output import RowStream, check_output_path, emit, resolve_format, table
     from ..report.plot import check_plot_path, compare_figure
     from .compare import (
         ALL_BUDGETS,
@@ -84,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     plot_path = check_plot_path(args.plot)  # fail before the work, not after it
+    check_output_path("--output", args.output)
     fmt = resolve_format(args.format, args.output)
     workload = args.workload
     if workload == "auto":
