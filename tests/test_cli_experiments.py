@@ -70,6 +70,21 @@ def test_experiment_json_file_and_bad_plot_path(name: str, tmp_path, capsys) -> 
     assert "--plot: expected a file ending in .png, .svg, .pdf" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--datasets", "1"], "datasets: expected an integer >= 2, got 1"),  # statistics.StatisticsError
+        (["--datasets", "2", "--pairs", "0"], "pairs: expected an integer >= 1, got 0"),  # max() of nothing
+        (["--dim", "0"], "dim: expected an integer >= 1, got 0"),
+    ],
+)
+def test_cexp_refuses_empty_sizes_by_name(argv: list[str], message: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("kernelattn_prf")
+    assert main(["experiment", "cexp", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 @pytest.mark.slow
 def test_compare_on_minilm_layers_with_baselines(capsys) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("transformers")

@@ -51,6 +51,14 @@ class CexpConfig:
     include_full: bool = False
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        from kernelattn_core.toolkit import check_positive_int
+
+        check_positive_int("datasets", self.datasets, 2)  # quartiles over datasets need two
+        check_positive_int("pairs", self.pairs, 1)
+        check_positive_int("dim", self.dim, 1)
+        check_positive_int("num_features", self.num_features, 1)
+
     @property
     def laplace_scale(self) -> float:
         """The Laplace scale :math:`b` under the chosen reading."""
