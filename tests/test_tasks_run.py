@@ -101,6 +101,13 @@ def test_relate_marks_rows_that_do_not_beat_the_floor_and_reads_steps_to_90() ->
     half = {"estimator": "c", "accuracy": 0.5, "curves": [[(10, 0.8)], [(10, 0.1)], [(10, 0.1)]]}
     _relate(half, exact, floor)
     assert half["steps_to_90"] is None  # one seed of three got there: no median step
+    # a ceiling that learned nothing (a short run): no row "reaches 90 % of it" at chance
+    untrained = {**exact, "accuracy": 0.1 + LEARNED_MARGIN / 2}
+    lucky = {"estimator": "d", "accuracy": 0.12, "curves": [[(5, 0.12)]]}  # >= 0.9 * 0.125: "reached" before
+    _relate(lucky, untrained, floor)
+    assert lucky["steps_to_90"] is None
+    _relate(lucky, exact, floor)
+    assert lucky["steps_to_90"] is None and fast["steps_to_90"] == 10  # the learned ceiling's rule is unchanged
 
 
 def test_sliding_window_spends_the_same_total_budget() -> None:

@@ -11,7 +11,8 @@ the order they finish, with:
   than :data:`LEARNED_MARGIN` (``"no"`` marks an estimator with which the model did not learn
   the task at all);
 * ``steps_to_90``: the median over seeds of the first evaluation step at which the accuracy
-  reached 90 % of the ceiling's (``None`` if it never did);
+  reached 90 % of the ceiling's (``None`` if it never did, or if the ceiling did not beat
+  the floor by :data:`LEARNED_MARGIN`);
 * ``time_per_step_ms`` (median step, mean over seeds), ``time_vs_exact``, ``peak_mem_mb``
   (peak tensor memory of one training step), ``train_s`` (wall time of one run) and
   ``first_step_s`` (the first step: the compilation with ``compile=True``);
@@ -714,7 +715,10 @@ def _relate(record: dict[str, Any], exact: dict[str, Any] | None, floor: dict[st
     else:
         record["learned"] = None if record["vs_floor"] is None else record["vs_floor"] > LEARNED_MARGIN
     steps = None
-    if ceiling is not None and record["curves"]:
+    # 90 % of a ceiling that learned nothing is chance: no step reaches anything then
+    # (a short run's floor and untrained rows read "reached at step 5")
+    ceiling_learned = ceiling is not None and bottom is not None and ceiling - bottom > LEARNED_MARGIN
+    if ceiling_learned and record["curves"]:
         reached = [steps_to_fraction(c, CEILING_FRACTION * ceiling) for c in record["curves"]]
         reached_steps = [s for s in reached if s is not None]
         if len(reached_steps) * 2 > len(reached):  # most seeds got there: the median is a step
