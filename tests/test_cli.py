@@ -186,6 +186,20 @@ def test_compare_spends_a_budget_per_query_as_tasks_does(tmp_path, capsys) -> No
     assert rows["rfa"]["options"] == {"num_features": 8} and rows["prf"]["options"] == {"num_features": 16}
     assert main(["compare", "--workload", "synthetic", "--estimators", "prf", "--output", str(tmp_path)]) == 2
     assert "--output: expected a file name, got the folder" in capsys.readouterr().err
+    # a spec as kernelattn tasks takes it ("unknown class name 'prf:num_features=32'"): its own
+    # size is not swept; its other options join the budget's
+    argv = ["compare", "--workload", "synthetic", "--estimators", "prf:num_features=32", "rfa:orthogonal=True"]
+    assert main([*argv, "--budgets", "16", "--seq-len", "32", "--seeds", "0", "--regime", "unit", *FAST,
+                 "--output", str(out)]) == 0  # fmt: skip
+    rows = {r["estimator"]: r for r in json.loads(out.read_text())}
+    assert (rows["prf:num_features=32"]["budget"], rows["prf:num_features=32"]["options"]) == (
+        None,
+        {"num_features": 32},
+    )
+    assert rows["rfa:orthogonal=True"]["options"] == {"num_features": 8, "orthogonal": True}
+    assert all(r["error"] is None for r in rows.values())
+    assert main(["compare", "--workload", "synthetic", "--estimators", "prf:nosuch=1"]) == 2
+    assert "estimator 'prf:nosuch=1': create: unknown option(s) ['nosuch']" in capsys.readouterr().err
 
 
 def test_compare_unknown_estimator_is_a_clear_error(use_registry, capsys) -> None:  # type: ignore[no-untyped-def]

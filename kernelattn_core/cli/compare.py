@@ -47,10 +47,12 @@ import torch
 from ..api import create
 from ..builtins.estimators import ExactAttention, FeatureMapAttention
 from ..builtins.kernels import SoftmaxKernel
+from ..errors import InputError
 from ..interfaces.kernel import Kernel
 from ..registry import get_registry
 from ..report.measure import benchmark_time, peak_memory
 from ..report.progress import Progress
+from ..tasks.run import budget_options, has_budget, parse_spec
 from ..validation import check_positive_finite, check_positive_int
 
 HEAD_DIM = 64
@@ -131,23 +133,29 @@ def default_estimators(*, quadratic: bool = False, causal: bool | None = None) -
 
 
 def _has_budget(name: str) -> bool:
-    entry = get_registry().get(name)
-    return bool(getattr(entry.cls, "has_budget", False))
+    """Whether ``name`` (a registry name or a ``NAME:key=value`` spec) is swept over the
+    budgets: as in ``kernelattn tasks`` (a spec that sets its own size is not), and the
+    quadratic estimators too (their samples per query)."""
+    base, spec_options = parse_spec(name)
+    entry = get_registry().get(base)
+    if getattr(entry.cls, "has_budget", False) and not getattr(entry.cls, "linear", True):
+        return "num_features" not in spec_options
+    return has_budget(name)
 
 
 def spend(name: str, budget: int | None, causal: bool, head_dim: int) -> dict[str, Any]:
-    """The options that spend ``budget`` per query, as ``kernelattn tasks`` spends it
+    """The options of ``name`` (a registry name or ``NAME:key=value`` spec, whose options
+    come last) that spend ``budget`` per query, as ``kernelattn tasks`` spends it
     (:func:`~kernelattn_core.tasks.run.budget_options`): a feature dimension of ``budget``
     (``num_features = budget / 2`` for the cos/sin maps), ``sliding-window`` a window and
     features of the same total. An estimator quadratic in the length (``ra``) takes the
     budget as its samples per query."""
-    from ..tasks.run import budget_options
-
-    if budget is None:
-        return {}
-    if not getattr(get_registry().get(name).cls, "linear", True):
-        return {"num_features": budget}
-    return budget_options(name, budget, causal, head_dim)
+    base, spec_options = parse_spec(name)
+    if budget is None or not _has_budget(name):
+        return dict(spec_options)
+    if not getattr(get_registry().get(base).cls, "linear", True):
+        return {"num_features": budget, **spec_options}
+    return {**budget_options(name, budget, causal, head_dim), **spec_options}
 
 
 def _target_kernel(estimator: Any) -> Kernel:
@@ -265,7 +273,13 @@ def run_compare(
     reg = get_registry()
     names = list(estimators) if estimators else default_estimators(quadratic=quadratic, causal=causal)
     for name in names:
-        reg.get(name)  # unknown names fail early, listing the available ones
+        base, spec_options = parse_spec(name)
+        reg.get(base)  # unknown names fail early, listing the available ones
+        if spec_options:
+            try:
+                create(base, **spec_options)  # an option error fails the call, not a row after the others ran
+            except InputError as err:
+                raise InputError(f"estimator {name!r}: {err}") from err
     if not seeds:
         raise ValueError("seeds: expected at least one seed, got none")
     lengths = [seq_len] if isinstance(seq_len, int) else list(seq_len)
@@ -403,7 +417,7 @@ def _one(
             torch.manual_seed(seed)
             options = spend(name, budget, causal, q.shape[-1])
             record["options"] = options
-            est = create(name, **options)
+            est = create(parse_spec(name)[0], **options)
             with torch.no_grad():
                 est.train()(q, k, v, causal=causal, key_padding_mask=mask)  # calibration: data-adapted maps fit
                 est.eval()

@@ -50,7 +50,7 @@ def add_parser(sub: Any) -> None:
         nargs="+",
         action="extend",
         metavar="NAME",
-        help="registry names or aliases (default: see above)",
+        help="registry names or aliases, or NAME:key=value,... with options (default: see above)",
     )
     c.add_argument("--quadratic", action="store_true", help="also the estimators quadratic in the length (ra, ...)")
     c.add_argument("--all", action="store_true", help="the full sweep: every regime, 4 budgets, every estimator")
