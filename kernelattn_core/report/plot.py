@@ -169,13 +169,27 @@ def compare_figure(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
     ax.set(xscale="log", yscale="log", ylabel="ms")
     _plain_ticks(ax, [r["seq_len"] if len(lengths) > 1 else r["budget"] for r in records])
     ax.grid(True, which="both", alpha=0.3)
+    from matplotlib.lines import Line2D
+
     legend: dict[str, Any] = {}
     for a in axes[0]:
         for handle, label in zip(*a.get_legend_handles_labels()):
             legend.setdefault(label, handle)
+    # an estimator's own style, not the first panel's (there it may be greyed as a loser)
+    for label in legend:
+        if label in styles:
+            legend[label] = Line2D([], [], ms=4, **styles[label])
     handles, labels = list(legend.values()), list(legend)
     if handles:
-        fig.legend(handles, labels, loc="center right", fontsize=7, frameon=False)
+        fig.legend(
+            handles,
+            labels,
+            loc="center right",
+            fontsize=7,
+            frameon=False,
+            title="light grey in a panel:\ndoes not beat mean-v there",
+            title_fontsize=7,
+        )
         fig.subplots_adjust(right=0.82)
     fig.tight_layout(rect=(0, 0, 0.84, 1))
     return _save_no_layout(fig, path)
