@@ -301,6 +301,21 @@ def test_a_spec_that_sets_its_own_size_runs_once_without_a_budget_label() -> Non
     assert swept == [(8, {"num_features": 8}), (16, {"num_features": 16})]  # negative control: swept
 
 
+def test_the_budget_probe_leaves_the_callers_random_state_alone() -> None:
+    """features_per_unit builds the map to count its features; its draws moved the global
+    generator, so compare's rows after ``torch.manual_seed`` depended on whether the probe
+    was cached (the first seed's draws differed from a later call's)."""
+    import torch
+
+    from kernelattn_core.tasks.run import features_per_unit
+
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    assert features_per_unit("prf", 32, 77) == 1  # not cached: it builds and draws
+    assert torch.equal(torch.rand(3), expected)
+
+
 def test_seeds_and_budgets_take_one_int_and_refuse_a_seed_twice() -> None:
     """``--seeds 0 0 --jobs 2`` lost every row (keyed by seed, the runs never completed) and
     exited 0; with one job the copies made a standard deviation of identical runs."""

@@ -414,9 +414,9 @@ def _one(
             record["time_ms"], record["time_iqr_ms"] = 1e3 * t["median"], 1e3 * t["iqr"]
         for i, (case, seed) in enumerate(zip(cases, seeds)) if not name.startswith(("baseline:", "oracle:")) else ():
             q, k, v, mask = case.q, case.k, case.v, case.mask
-            torch.manual_seed(seed)
             options = spend(name, budget, causal, q.shape[-1])
             record["options"] = options
+            torch.manual_seed(seed)
             est = create(parse_spec(name)[0], **options)
             with torch.no_grad():
                 est.train()(q, k, v, causal=causal, key_padding_mask=mask)  # calibration: data-adapted maps fit

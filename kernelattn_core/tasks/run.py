@@ -281,15 +281,18 @@ def features_per_unit(name: str, head_dim: int, num_features: int, options: tupl
     ``num_features``: 2 for the cos/sin maps (``rfa``, ``gmm-rks``), 1 for the others, for
     estimators without a feature map and where the map refuses the size (the row's run then
     reports the refusal)."""
+    import torch
+
     from ..api import create
 
-    try:
-        fm = getattr(create(name, **dict(options), num_features=num_features), "feature_map", None)
-        if fm is None:
+    with torch.random.fork_rng(devices=[]):  # the probe's draws leave the caller's generator as it was
+        try:
+            fm = getattr(create(name, **dict(options), num_features=num_features), "feature_map", None)
+            if fm is None:
+                return 1
+            fm.build(head_dim)
+        except Exception:  # an option the map refuses: the row's own run reports it
             return 1
-        fm.build(head_dim)
-    except Exception:  # an option the map refuses: the row's own run reports it
-        return 1
     return max(1, int(fm.feature_dim) // num_features)
 
 
