@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, EncoderDecoderCache
 
+from ..engine.chunked import autocast_off
 from ..errors import InputError
 from ..interfaces.state import StateOwner
 from ..module import KVCache, _check_cache
@@ -91,13 +92,19 @@ class KernelStateLayer(CacheLayerMixin):
         """Causal attention ``[B, H, T, dv]`` of the ``T`` new positions given :attr:`state`,
         which is replaced by the continued state.
 
-        ``estimator.step`` when it has one (constant-size state); otherwise every query,
+        ``estimator.step`` when it has one (constant-size state; run with autocast off,
+        as the estimator's engine runs a forward call, so that training with a cache
+        under autocast computes what training without one does); otherwise every query,
         key and value so far is kept and the estimator recomputes the causal output, whose
         last ``T`` rows are returned (exact attention with one new query attends it alone).
         """
         step = getattr(estimator, "step", None)
         if callable(step):
-            out, self.state = step(q, k, v, self.state, key_padding_mask=key_padding_mask)
+            # autocast off, as the estimator's forward call runs its engine (float32 for
+            # half inputs): under autocast the features would be bfloat16 products on this
+            # path only, and a training step with a cache would drift from one without
+            with autocast_off(q.device):
+                out, self.state = step(q, k, v, self.state, key_padding_mask=key_padding_mask)
             return out
         owner = StateOwner(
             type(estimator).__name__,

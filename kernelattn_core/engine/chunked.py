@@ -90,6 +90,7 @@ training keeps only the inputs: :math:`O(N(D + d_v))` memory plus
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -378,10 +379,23 @@ def _core_backward(q, k, v, m, m0, ld, s_in, chunk, o_bar, s_bar, out=None, tape
     return q_bar, k_bar, v_bar, g_out, ld_bar
 
 
+def autocast_off(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Autocast off on ``device`` (a no-op context for a device type autocast does not
+    know): the engines compute in their inputs' dtype (the caller's :func:`compute_dtype`,
+    float32 for half inputs) whatever the autocast state, in the forward pass and in the
+    backward pass's recomputation alike (under autocast the forward's products would be
+    bfloat16 and the backward's float32)."""
+    try:
+        return torch.autocast(device.type, enabled=False)
+    except RuntimeError:  # pragma: no cover - a device type autocast does not know
+        return contextlib.nullcontext()
+
+
 class _CausalLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, s0, m, m0, ld, chunk, tape=None):  # type: ignore[no-untyped-def, override]
-        out, cur, s_in = _core_forward(q, k, v, s0, m, m0, ld, chunk, tape)
+        with autocast_off(q.device):
+            out, cur, s_in = _core_forward(q, k, v, s0, m, m0, ld, chunk, tape)
         # group boundary states only; with a decay also the output (the decay's gradient
         # reads o_t: saving it, O(N dv), spares the backward pass a second forward product)
         ctx.save_for_backward(q, k, v, m, m0, ld, out if ld is not None else None, *s_in)
@@ -391,7 +405,13 @@ class _CausalLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, o_bar, s_bar):  # type: ignore[no-untyped-def, override]
         q, k, v, m, m0, ld, out, *s_in = ctx.saved_tensors
-        q_bar, k_bar, v_bar, s0_bar, ld_bar = _core_backward(q, k, v, m, m0, ld, s_in, ctx.chunk, o_bar, s_bar, out)
+        # the incoming gradients in the dtype the forward pass computed in (q's): a loss
+        # under autocast, or an output cast to bfloat16 on its way out, hands back a
+        # gradient of another dtype, which the products below would refuse
+        o_bar = o_bar.to(q.dtype)
+        s_bar = None if s_bar is None else s_bar.to(q.dtype)
+        with autocast_off(q.device):
+            q_bar, k_bar, v_bar, s0_bar, ld_bar = _core_backward(q, k, v, m, m0, ld, s_in, ctx.chunk, o_bar, s_bar, out)
         if ld_bar is not None and not ctx.needs_input_grad[6]:
             ld_bar = None
         return q_bar, k_bar, v_bar, s0_bar, None, None, ld_bar, None, None
@@ -529,7 +549,10 @@ def causal_linear_attention(
     -------
     out : Tensor ``[B, H, N, dv]``
     s_final : Tensor ``[B, H, D, dv]``, stated at ``m[..., -1]``.
-    Both are differentiable in ``q``, ``k``, ``v``, ``s0`` and ``log_decay``.
+    Both are differentiable in ``q``, ``k``, ``v``, ``s0`` and ``log_decay``. Eagerly the
+    forward and backward passes compute in ``q``'s dtype with autocast off (the caller
+    casts half inputs to :func:`compute_dtype`); gradients of another dtype (a loss under
+    autocast) are cast to it.
 
     Raises
     ------

@@ -87,6 +87,7 @@ from .chunked import (
     DEFAULT_CHUNK,
     CausalInputs,
     CausalState,
+    autocast_off,
     causal_linear_attention_backward,
     causal_linear_attention_forward,
     compute_dtype,
@@ -225,7 +226,7 @@ class _Call:
     @contextlib.contextmanager
     def replay(self, device: torch.device) -> Iterator[None]:
         """Recompute as the forward pass did: the saved buffers in the map, autocast off."""
-        with _buffers_swapped(self.fm, self.buffers), _no_autocast(device):
+        with _buffers_swapped(self.fm, self.buffers), autocast_off(device):
             yield
 
 
@@ -243,15 +244,6 @@ def _buffers_swapped(module: torch.nn.Module, buffers: dict[str, torch.Tensor]) 
     finally:
         for owner, leaf, value in reversed(saved):
             owner._buffers[leaf] = value
-
-
-def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """Autocast off on ``device``: the engine computes in :func:`compute_dtype` (float32
-    for half inputs) whatever the autocast state, in the forward pass and in its replay."""
-    try:
-        return torch.autocast(device.type, enabled=False)
-    except RuntimeError:  # pragma: no cover - a device type autocast does not know
-        return contextlib.nullcontext()
 
 
 class _Rows:
@@ -645,6 +637,6 @@ def grouped_feature_attention(
     buffers = {name: t.clone() for name, t in fm.named_buffers() if t.is_floating_point()} if keep else {}
     call = _Call(fm, fm.log_space, mask, chunk, g, dtype, float(scale), normalizer, keep, len(map_params), buffers)
     fn = _GroupedCausal if causal else _GroupedNonCausal
-    with _no_autocast(q.device):
+    with autocast_off(q.device):
         out = fn.apply(call, q, k, v, *map_params, *norm_params)
     return out if isinstance(out, tuple) else (out,)
