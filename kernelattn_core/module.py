@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .api import create
+from .engine.traced import tracing
 from .errors import InputError
 from .interfaces.estimator import supports_step
 from .interfaces.state import StateOwner, check_state, check_state_tensor
@@ -250,14 +251,22 @@ class KernelAttention(nn.Module):
         key_padding_mask : Tensor ``[B, M]``, optional
             Bool with ``True`` marking padding, or the additive float form (``-inf`` at
             padding, ``0`` elsewhere) that :class:`~torch.nn.TransformerEncoderLayer`
-            passes on.
+            passes on. The key and value rows at padded positions are zeroed before the
+            projections, and in self-attention (``key`` left out or the very tensor
+            ``query``, as the encoder and decoder layers call it) so are the query rows
+            there: nothing a padded position holds (NaN included) reaches an output or a
+            gradient. In cross-attention (``query`` another tensor) the query rows are
+            other positions and are attended as given.
         need_weights : bool
             Must be ``False``: linear estimators never form the weights.
         attn_mask : Tensor ``[N, M]`` or ``[B * num_heads, N, M]``, optional
             Only the causal mask is accepted (``True``/``-inf`` above the diagonal, as
             :meth:`torch.nn.Transformer.generate_square_subsequent_mask` makes it); it
             is read as ``causal=True``. An all-allowed mask is ignored; any other mask is
-            an error rather than being silently dropped.
+            an error rather than being silently dropped. Under ``torch.compile`` the
+            choice cannot read the mask's values: a square mask is read as the causal
+            mask, another as allowing everything, and the values are asserted in the
+            graph (see :func:`causal_from_attn_mask`).
         average_attn_weights : bool
             Accepted for signature compatibility (no weights are returned).
         is_causal : bool, optional
@@ -266,7 +275,20 @@ class KernelAttention(nn.Module):
         Returns
         -------
         (Tensor, None)
-            The output, shaped like ``query``, and ``None`` in place of weights.
+            The output, shaped like ``query``, and ``None`` in place of weights. In
+            self-attention with a ``key_padding_mask`` a padded position's row is the
+            output of a zero input row (the projections' biases attending the unpadded
+            keys; causally, those before it): finite and independent of what the padded
+            position holds, but of no meaning (discard it, as the loss should).
+            :class:`~torch.nn.MultiheadAttention` attends the row as given (NaN in, NaN
+            out). The zeroing leaves every unpadded row unchanged, bit for bit.
+
+        Raises
+        ------
+        InputError
+            For a tensor argument on another device than the module's parameters
+            (``query``, ``key``, ``value``) or than ``query`` (the masks), a mask
+            that cannot be kernelized, and the other refusals named above.
         """
         q, k, v, kpm, causal = self.attention_inputs(
             query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
@@ -287,7 +309,10 @@ class KernelAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
         """What the estimator of :meth:`forward` gets for the same arguments:
         ``q [B, H, N, d]``, ``k [B, H, M, d]``, ``v [B, H, M, d]``, the boolean
-        ``key_padding_mask [B, M]`` and the causal flag (used by fitting)."""
+        ``key_padding_mask [B, M]`` and the causal flag (used by fitting). The inputs'
+        rows at padded positions are zeroed before the projections (the key and value
+        rows; in self-attention the query rows too), so the projected rows there are the
+        biases."""
         if need_weights is not False:
             check_bool("need_weights", need_weights)
             raise InputError(
@@ -300,8 +325,17 @@ class KernelAttention(nn.Module):
             check_tensor(name, t, 3, "[B, N, E]" if self.batch_first else "[N, B, E]")
             if t.shape[-1] != width:
                 raise InputError(f"{name}: expected last dimension {width}, got shape {tuple(t.shape)}")
-        weight_dtype = self.q_proj.weight.dtype
+        # the same positions (nn.TransformerEncoderLayer's self_attn(x, x, x), step): the padded
+        # keys are padded queries too
+        self_attention, value_is_key = key is query, value is key
+        weight = self.q_proj.weight
+        weight_dtype = weight.dtype
         for name, t in (("query", query), ("key", key), ("value", value)):
+            if t.device != weight.device:  # a comparison of devices: no work per call beyond it
+                raise InputError(
+                    f"{name}: expected device {weight.device} (the module's parameters; move one with .to()), "
+                    f"got {t.device}"
+                )
             if t.dtype != weight_dtype and not torch.is_autocast_enabled(t.device.type):  # autocast casts
                 raise InputError(
                     f"{name}: expected dtype {weight_dtype} (the module's parameters; convert one with .to()), "
@@ -317,8 +351,8 @@ class KernelAttention(nn.Module):
             raise InputError(f"key: expected batch size {b} as query, got {key.shape[0]}")
         if is_causal is not None:  # never read "no" as True: a bool or None only
             check_bool("is_causal", is_causal, " or None (the module's causal flag)")
-        kpm = bool_key_padding_mask(key_padding_mask, b, m)
-        mask_causal = causal_from_attn_mask(attn_mask, n, m, b * self.num_heads)
+        kpm = bool_key_padding_mask(key_padding_mask, b, m, query.device)
+        mask_causal = causal_from_attn_mask(attn_mask, n, m, b * self.num_heads, query.device)
         causal = self.causal if is_causal is None else is_causal
         if attn_mask is not None:
             if is_causal and not mask_causal:
@@ -328,7 +362,13 @@ class KernelAttention(nn.Module):
             # that nothing a padded row holds (NaN included: 0 * nan is nan) reaches an output or a
             # gradient; the projected rows are then the bias, finite, and masked by the estimator
             pad = kpm[:, :, None]  # [B, M, 1]
-            key, value = key.masked_fill(pad, 0.0), value.masked_fill(pad, 0.0)
+            masked_key = key.masked_fill(pad, 0.0)
+            value = masked_key if value_is_key else value.masked_fill(pad, 0.0)
+            if self_attention:  # the padded positions are query rows too: a padded query row's
+                # output (which the caller discards) would carry its input into the out and q
+                # projections' weight gradients (0 * nan); zeroed, it is a finite row of no meaning
+                query = masked_key
+            key = masked_key
         q = self.q_proj(query).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, N, Dh]
         k = self.k_proj(key).view(b, m, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, M, Dh]
         v = self.v_proj(value).view(b, m, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, M, Dh]
@@ -356,7 +396,8 @@ class KernelAttention(nn.Module):
         state : optional
             What the previous call returned; ``None`` starts a sequence.
         key_padding_mask : Tensor ``[B, T]`` of bool, optional
-            Padding among the new positions.
+            Padding among the new positions (their rows are zeroed before the
+            projections, as in :meth:`forward`'s self-attention).
 
         Returns
         -------
@@ -424,32 +465,73 @@ def zero_padded(
     return k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
 
 
-def bool_key_padding_mask(mask: torch.Tensor | None, batch: int, keys: int) -> torch.Tensor | None:
+_FLOAT_PADDING = (
+    "key_padding_mask: a float mask must be additive with 0 (kept) and -inf (padded) only; "
+    "other additive biases cannot be kernelized"
+)
+_FLOAT_ATTN_MASK = "attn_mask: an additive float mask must hold 0 and -inf only; other biases cannot be kernelized"
+_OTHER_ATTN_MASK = (
+    "attn_mask: only the causal mask (True or -inf above the diagonal) can be kernelized; "
+    "use key_padding_mask for padding, got another mask"
+)
+
+
+def _check_values(ok: torch.Tensor, message: str) -> None:
+    """Refuse a mask whose values ``ok`` (a bool tensor) are not all true: eagerly an
+    :class:`InputError` (one value read back); under ``torch.compile``, where reading a
+    value back would break the graph, an assertion in the graph
+    (:func:`torch._assert_async`: a ``RuntimeError`` with ``message`` when the compiled
+    call runs, a device-side assertion on CUDA)."""
+    if tracing():
+        torch._assert_async(ok.all(), message)
+    elif not bool(ok.all()):
+        raise InputError(message)
+
+
+def _check_mask_device(name: str, mask: torch.Tensor, device: torch.device | None) -> None:
+    if device is not None and mask.device != device:
+        raise InputError(f"{name}: expected device {device} (the query's), got {mask.device}")
+
+
+def bool_key_padding_mask(
+    mask: torch.Tensor | None, batch: int, keys: int, device: torch.device | None = None
+) -> torch.Tensor | None:
     """``key_padding_mask [B, M]`` as bool (``True`` = padded) from the bool or the
-    additive float form (``-inf`` = padded, ``0`` = kept)."""
+    additive float form (``-inf`` = padded, ``0`` = kept).
+
+    ``device``: the device the mask must be on (``None``: any). A float mask holding
+    anything but ``0`` and ``-inf`` is an :class:`InputError`; under ``torch.compile`` the
+    conversion is tensor operations only (no graph break) and the values are checked by an
+    assertion in the graph instead (a ``RuntimeError`` when the compiled call runs)."""
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
         raise InputError(f"key_padding_mask: expected a tensor of shape [B, M], got {type(mask).__name__}")
     if tuple(mask.shape) != (batch, keys):
         raise InputError(f"key_padding_mask: expected shape [B, M] = [{batch}, {keys}], got {list(mask.shape)}")
+    _check_mask_device("key_padding_mask", mask, device)
     if mask.dtype == torch.bool:
         return mask
     if mask.is_floating_point():
         padded = torch.isneginf(mask)
-        if not bool(((mask == 0) | padded).all()):
-            raise InputError(
-                "key_padding_mask: a float mask must be additive with 0 (kept) and -inf (padded) only; "
-                "other additive biases cannot be kernelized"
-            )
+        _check_values((mask == 0) | padded, _FLOAT_PADDING)
         return padded
     raise InputError(f"key_padding_mask: expected dtype torch.bool or a float additive mask, got {mask.dtype}")
 
 
-def causal_from_attn_mask(attn_mask: torch.Tensor | None, n: int, m: int, batch_heads: int) -> bool:
+def causal_from_attn_mask(
+    attn_mask: torch.Tensor | None, n: int, m: int, batch_heads: int, device: torch.device | None = None
+) -> bool:
     """Whether ``attn_mask`` (``[N, M]`` or ``[B * H, N, M]``, bool ``True`` = not
     allowed, or additive float ``-inf`` = not allowed) is the causal mask (``True``) or
-    allows everything (``False``); anything else is an :class:`InputError`."""
+    allows everything (``False``); anything else is an :class:`InputError`.
+
+    ``device``: the device the mask must be on (``None``: any). Under ``torch.compile``
+    the answer cannot depend on the mask's values (reading one back breaks the graph): a
+    square mask (``N == M``) is read as the causal mask and any other as allowing
+    everything, and the values are checked by an assertion in the graph (a
+    ``RuntimeError`` when the compiled call runs; so a square all-allowed mask, which the
+    eager call ignores, is refused there: pass ``None`` instead)."""
     if attn_mask is None:
         return False
     if not isinstance(attn_mask, torch.Tensor):
@@ -462,26 +544,29 @@ def causal_from_attn_mask(attn_mask: torch.Tensor | None, n: int, m: int, batch_
         raise InputError(
             f"attn_mask: expected shape [N, M] = [{n}, {m}] or [B * num_heads, N, M], got {list(attn_mask.shape)}"
         )
+    _check_mask_device("attn_mask", attn_mask, device)
     if attn_mask.dtype == torch.bool:
         blocked = attn_mask
     elif attn_mask.is_floating_point():
         blocked = torch.isneginf(attn_mask)
-        if not bool(((attn_mask == 0) | blocked).all()):
-            raise InputError(
-                "attn_mask: an additive float mask must hold 0 and -inf only; other biases cannot be kernelized"
-            )
+        _check_values((attn_mask == 0) | blocked, _FLOAT_ATTN_MASK)
     else:
         raise InputError(f"attn_mask: expected a bool or float tensor, got dtype {attn_mask.dtype}")
+    if tracing():  # decided by the shape alone; the values asserted in the graph
+        if n == m:
+            _check_values(
+                blocked == torch.ones(n, m, dtype=torch.bool, device=blocked.device).triu(1), _OTHER_ATTN_MASK
+            )
+            return True
+        _check_values(~blocked, _OTHER_ATTN_MASK)
+        return False
     if not bool(blocked.any()):
         return False
     if n == m:
         future = torch.ones(n, m, dtype=torch.bool, device=blocked.device).triu(1)
         if bool((blocked == future).all()):
             return True
-    raise InputError(
-        "attn_mask: only the causal mask (True or -inf above the diagonal) can be kernelized; "
-        "use key_padding_mask for padding, got another mask"
-    )
+    raise InputError(_OTHER_ATTN_MASK)
 
 
 # ---------------------------------------------------------------------- helpers

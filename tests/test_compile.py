@@ -136,3 +136,68 @@ def test_traced_form_equals_the_eager_engine(name: str, causal: bool, padded: bo
     for a, b in zip(g_got, g_ref):
         assert bool(torch.isfinite(a).all())
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+# ---------------------------------------------------------------------- masks under compilation
+def _float_padding(pad: torch.Tensor) -> torch.Tensor:
+    """The additive float form ``0`` / ``-inf`` of a bool padding mask."""
+    return torch.zeros(pad.shape).masked_fill(pad, float("-inf"))
+
+
+def _mask_call(case: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The calls whose masks were read back to Python (``bool(tensor)``), which
+    ``fullgraph=True`` refused: a converted encoder (its layers pass the padding mask in
+    float form), a float ``key_padding_mask`` and the causal ``attn_mask`` of
+    ``nn.Transformer``."""
+    pad = torch.zeros(2, 24, dtype=torch.bool)
+    pad[1, 18:] = True
+    if case == "encoder":
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
+        encoder = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        return ka.convert_attention(encoder, "prf", num_features=16, seed=0).eval(), {"src_key_padding_mask": pad}
+    attn = _module("prf", False).eval()
+    if case == "float key_padding_mask":
+        return attn, {"key_padding_mask": _float_padding(pad)}
+    return attn, {"attn_mask": torch.nn.Transformer.generate_square_subsequent_mask(24)}
+
+
+@pytest.mark.parametrize("case", ["encoder", "float key_padding_mask", "causal attn_mask"])
+def test_masks_compile_as_one_graph_and_equal_eager(case: str) -> None:
+    """``fullgraph=True``: one graph or an error (the masks' values are no longer read back)."""
+    model, kwargs = _mask_call(case)
+    x = torch.randn(2, 24, 32)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        out = model(x, **kwargs)
+        return out if isinstance(out, torch.Tensor) else out[0]
+
+    with torch.no_grad():
+        ref = run(x)
+        got = torch.compile(run, fullgraph=True, backend="aot_eager")(x)  # a graph break raises
+    if case == "causal attn_mask":  # read as causal, as eagerly
+        assert not torch.allclose(ref, model(x)[0])
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    dynamo.reset()
+
+
+def test_a_mask_the_compiled_call_cannot_kernelize_is_still_refused() -> None:
+    """Eagerly an InputError; compiled (no value may be read back) an assertion in the
+    graph, with the same message, when the call runs."""
+    attn = _module("prf", False).eval()
+    x = torch.randn(2, 8, 32)
+    bias = torch.zeros(2, 8)
+    bias[1, 6:] = -1e4  # an additive bias, not 0 / -inf
+    not_causal = torch.zeros(8, 8, dtype=torch.bool)
+    not_causal[0, 5] = True
+    compiled = torch.compile(lambda x, **kw: attn(x, **kw)[0], fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        for kwargs, match in (
+            ({"key_padding_mask": bias}, "key_padding_mask: a float mask must be additive"),
+            ({"attn_mask": not_causal}, "attn_mask: only the causal mask"),
+        ):
+            with pytest.raises(ka.InputError, match=match):
+                attn(x, **kwargs)
+            with pytest.raises(RuntimeError, match=match):
+                compiled(x, **kwargs)
+    dynamo.reset()

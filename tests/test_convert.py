@@ -57,9 +57,11 @@ def test_transformer_encoder_converted_to_softmax_equals_the_original(causal: bo
         with warnings.catch_warnings():  # torch's nested-tensor prototype warning
             warnings.simplefilter("ignore", UserWarning)
             fast = encoder(x, mask=mask, src_key_padding_mask=pad, is_causal=causal)  # fused: zeros at padding
-    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    # every unpadded position; a padded one is the output of a zero input row (KernelAttention
+    # zeroes padded rows before its projections, so nothing there reaches a gradient)
+    torch.testing.assert_close(out[keep], ref[keep], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out[keep], fast[keep], rtol=1e-6, atol=1e-6)
-    assert (out - ref).abs().max() < 1e-10
+    assert (out - ref)[keep].abs().max() < 1e-10 and torch.isfinite(out).all()
 
 
 def test_transformer_decoder_converts_self_attention_and_optionally_cross() -> None:

@@ -10,6 +10,13 @@ import kernelattn_core as ka
 from kernelattn_core.module import KVCache
 
 
+def _padded_rows_zeroed(x: torch.Tensor, pad: torch.Tensor, batch_first: bool = True) -> torch.Tensor:
+    """``x`` (``[B, N, E]``, or ``[N, B, E]``) with the padded rows ``pad [B, N]`` zeroed:
+    what KernelAttention's self-attention feeds its projections (a padded query row's output
+    is then that of a zero input row; torch's MultiheadAttention attends the row as given)."""
+    return x.masked_fill((pad if batch_first else pad.T)[..., None], 0.0)
+
+
 def _copy_weights(mha: nn.MultiheadAttention, ours: ka.KernelAttention) -> None:
     e = mha.embed_dim
     with torch.no_grad():
@@ -33,10 +40,13 @@ def test_softmax_kernel_attention_equals_multihead_attention(batch_first: bool, 
     mask = torch.zeros(3, 7, dtype=torch.bool)
     mask[1, 5:] = True
     attn_mask = torch.ones(7, 7, dtype=torch.bool).triu(1) if causal else None
-    ref, _ = mha(x, x, x, key_padding_mask=mask, attn_mask=attn_mask, need_weights=False)
+    x0 = _padded_rows_zeroed(x, mask, batch_first)  # every row, the padded ones included
+    ref, _ = mha(x0, x0, x0, key_padding_mask=mask, attn_mask=attn_mask, need_weights=False)
     out, weights = ours(x, x, x, key_padding_mask=mask, is_causal=causal)
     assert weights is None
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    keep = ~mask if batch_first else ~mask.T  # the unpadded rows: MultiheadAttention's on x itself
+    torch.testing.assert_close(out[keep], mha(x, x, x, key_padding_mask=mask, attn_mask=attn_mask)[0][keep])
 
 
 def test_cross_attention_with_kdim_vdim(use_registry) -> None:
@@ -94,7 +104,8 @@ def test_from_multihead_reproduces_mha_with_padding_and_causal_masks(batch_first
     # the additive float form of key_padding_mask, as TransformerEncoderLayer passes it
     fpad = torch.zeros(3, 7, dtype=torch.float64).masked_fill(pad, float("-inf"))
     mha_pad = fpad if mask_kind == "float" else pad  # torch wants matching mask types
-    ref, _ = mha(x, x, x, key_padding_mask=mha_pad, attn_mask=attn_mask, need_weights=False)
+    x0 = _padded_rows_zeroed(x, pad, batch_first)  # self-attention: padded query rows enter as 0
+    ref, _ = mha(x0, x0, x0, key_padding_mask=mha_pad, attn_mask=attn_mask, need_weights=False)
     out, w = ours(x, x, x, key_padding_mask=pad, attn_mask=attn_mask)
     assert w is None
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
@@ -184,7 +195,9 @@ def test_default_layout_is_multihead_attentions_sequence_first() -> None:
         torch.backends.mha.set_fastpath_enabled(True)
     layer.self_attn = ours
     out = layer(x, src_key_padding_mask=pad)
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    keep = ~pad.T  # [N, B]: a padded row's attention is that of a zero input row (the residual differs)
+    torch.testing.assert_close(out[keep], ref[keep], rtol=1e-10, atol=1e-10)
+    assert torch.isfinite(out).all()
     # read as [B, N, E] (the old default), the same input gives another function
     ref_plain = layer(x)
     ours.batch_first = True
