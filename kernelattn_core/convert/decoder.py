@@ -40,14 +40,26 @@ attention.
 
 Attention-probability dropout (GPT-2's ``attn_pdrop``) is not applied: kernelized
 estimators never form the attention probabilities.
+
+What cannot be kernelized is refused, at conversion when the model says so and at call
+time otherwise, never dropped: logit soft-capping (Gemma 2's
+``config.attn_logit_softcapping``, the ``softcap`` argument), learned attention sinks
+(GPT-OSS's ``sinks``, the ``s_aux`` argument), any other argument the attention function
+does not implement (packed-sequence lengths, a position bias), ``output_attentions=True``,
+and encoder-decoder models (BART, Whisper, T5: ``config.is_encoder_decoder``), whose
+encoder and cross-attention would run the ``"kernelattn"`` implementation without an
+estimator. The logits' scale is the ``scaling`` the module passes to the attention
+function (OPT scales the query itself and passes ``1.0``), read from its ``forward``.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import json
 import math
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -162,6 +174,8 @@ class KernelDecoderAttention(nn.Module):
     estimator: nn.Module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("output_attentions") or _collecting_attentions():
+            raise InputError(_NO_WEIGHTS)
         cache = _find_cache(self._kernel_base, args, kwargs)
         layer = None
         if cache is not None:
@@ -205,6 +219,21 @@ class KernelDecoderAttention(nn.Module):
     def extra_repr(self) -> str:
         base = super().extra_repr()
         return f"{base}, kernelized" if base else "kernelized"
+
+
+_NO_WEIGHTS = "output_attentions: kernelized attention never forms the attention weights; pass False"
+
+
+def _collecting_attentions() -> bool:
+    """Whether the running ``transformers`` model collects attention weights
+    (``output_attentions=True`` is read by the model's output-capturing hooks and not
+    always passed on to its attention modules)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - another transformers version
+        return False
+    collected = _active_collector.get()
+    return isinstance(collected, dict) and "attentions" in collected
 
 
 @functools.cache
@@ -277,8 +306,43 @@ def _check_scaling(estimator: nn.Module, scaling: Any, d: int) -> None:
     expected = 1.0 / math.sqrt(d) if scale is None else scale
     if not math.isclose(float(scaling), expected, rel_tol=1e-6):
         raise InputError(
-            f"scaling: the model scales attention logits by {float(scaling)!r}, the estimator by {expected!r}; "
-            "convert the model again (convert_attention sets the estimator's scale from the module)"
+            f"scaling: the model scales attention logits by {float(scaling)!r} at this call, the estimator by "
+            f"{expected!r} (the scaling its module passed when it was converted, or the scale option); a module "
+            "whose scaling changes between calls cannot be converted"
+        )
+
+
+#: arguments of the attention function that need nothing from it: positions (the rotary
+#: embedding is applied by the module), cache flags, and the sliding window, which the
+#: mask function refuses where it binds (:func:`kernel_mask`)
+_HARMLESS = ("position_ids", "cache_position", "use_cache", "sliding_window", "output_hidden_states", "return_dict")
+
+
+def _check_arguments(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    """Refuse every argument of the attention function that would change its result and
+    that the estimator does not implement, naming it."""
+    name = getattr(getattr(module, "_kernel_base", None), "__name__", type(module).__name__)
+    if kwargs.get("output_attentions"):
+        raise InputError(_NO_WEIGHTS)
+    for key, value in kwargs.items():
+        if value is None or key in _HARMLESS or key == "output_attentions":
+            continue
+        if key == "is_causal" and bool(value) == (getattr(module, "is_causal", True) is True):
+            continue
+        if key == "softcap":
+            raise InputError(
+                f"softcap: {name} caps its attention logits with tanh (softcap={value!r}, "
+                "config.attn_logit_softcapping); kernelized attention cannot cap the logits it never forms "
+                "(expected None)"
+            )
+        if key in ("s_aux", "sinks"):
+            raise InputError(
+                f"{key}: {name} has learned attention sinks (an extra logit per head in every softmax row); "
+                f"kernelized attention cannot apply them (got a {type(value).__name__}, expected None)"
+            )
+        raise InputError(
+            f"{key}: {name} passes it to the attention function, which kernelized attention does not implement "
+            f"(got a {type(value).__name__}, expected None)"
         )
 
 
@@ -309,6 +373,7 @@ def kernel_attention_forward(
             "with save_pretrained loads with kernelattn_core.convert.from_pretrained(path), and a plain model "
             "is converted with kernelattn_core.convert_attention(model, estimator, ...)"
         )
+    _check_arguments(module, kwargs)
     call: _Call = module.__dict__.get("_kernel_call") or _NO_CALL
     b, h, n, d = query.shape
     if key.shape[1] == 0 or h % key.shape[1]:
@@ -425,15 +490,18 @@ def convert_decoder_module(module: nn.Module, estimator: str, **options: Any) ->
     """Convert a decoder attention module in place (the caller owns a copy): its class is
     swapped for the converted class and the layer's estimator is added."""
     head_dim, heads = decoder_shape(module)
+    _refuse_module(module)
     options = dict(options)
-    scaling = getattr(module, "scaling", None)
-    if isinstance(scaling, float) and not math.isclose(scaling, head_dim**-0.5, rel_tol=1e-9):
+    scaling = call_scaling(module)
+    if scaling is not None and not math.isclose(scaling, head_dim**-0.5, rel_tol=1e-9):
         if "scale" in options and options["scale"] is not None and not math.isclose(options["scale"], scaling):
             raise InputError(
                 f"scale: the module scales attention logits by {scaling}, got scale={options['scale']} "
                 "(leave it out: each converted module sets its own)"
             )
-        options["scale"] = scaling  # GPT-2's scale_attn_by_inverse_layer_idx, scale_attn_weights=False
+        # GPT-2's scale_attn_by_inverse_layer_idx and scale_attn_weights=False, Gemma's
+        # query_pre_attn_scalar, OPT's 1.0 (it scales the query itself)
+        options["scale"] = scaling
     ref = next(iter(module.parameters()))
     est = build_estimator(estimator, head_dim, heads, options).to(device=ref.device, dtype=ref.dtype)
     if not getattr(est, "supports_causal", True):
@@ -445,6 +513,75 @@ def convert_decoder_module(module: nn.Module, estimator: str, **options: Any) ->
     module.estimator = est
     est.train(module.training)
     return module  # type: ignore[return-value]
+
+
+def _refuse_module(module: nn.Module) -> None:
+    """Refuse, at conversion, a decoder attention whose function kernelized attention
+    would change: logit soft-capping, attention sinks, an encoder-decoder model."""
+    name = type(module).__name__
+    config = module.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise InputError(
+            f"model: {name} belongs to an encoder-decoder model (config.is_encoder_decoder = True: BART, Whisper, "
+            "T5, ...); conversion supports decoder-only language models (GPT-2, Llama, Mistral, Qwen2, ...) and "
+            "BERT-family encoders, not the encoder and cross-attention of an encoder-decoder model"
+        )
+    cap = getattr(module, "attn_logit_softcapping", getattr(config, "attn_logit_softcapping", None))
+    if cap is not None:
+        raise InputError(
+            f"attn_logit_softcapping: {name} caps its attention logits with tanh (config.attn_logit_softcapping "
+            f"= {cap!r}); kernelized attention never forms the logits and cannot cap them (expected None: build "
+            "the model with attn_logit_softcapping=None to drop the cap on purpose)"
+        )
+    sinks = getattr(module, "sinks", None)
+    if isinstance(sinks, torch.Tensor):
+        raise InputError(
+            f"model: {name} has learned attention sinks (sinks {list(sinks.shape)}: an extra logit per head in every "
+            "softmax row, GPT-OSS); kernelized attention cannot apply them (expected a module without sinks)"
+        )
+
+
+@functools.cache
+def _scaling_arguments(cls: type) -> tuple[Any, ...] | None:
+    """What ``cls.forward`` passes as ``scaling`` to its attention function, read from
+    its source: ``("self", name)`` for ``self.<name>``, ``("value", x)`` for a number;
+    ``None`` when the source cannot tell (it is unavailable, passes none by keyword,
+    something else or several things)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):  # pragma: no cover - source not available
+        return None
+    found: set[tuple[Any, ...]] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        for keyword in node.keywords:
+            if keyword.arg != "scaling":
+                continue
+            value = keyword.value
+            if isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name) and value.value.id == "self":
+                found.add(("self", value.attr))
+            elif isinstance(value, ast.Constant) and isinstance(value.value, int | float):
+                found.add(("value", float(value.value)))
+            else:
+                return None
+    return found.pop() if len(found) == 1 else None
+
+
+def call_scaling(module: nn.Module) -> float | None:
+    """The factor of the attention logits the decoder attention ``module`` passes to
+    the attention function as ``scaling`` (``None``: not known, the default
+    :math:`1/\\sqrt d`). Read from its ``forward``: OPT scales the query itself and
+    passes ``1.0``, which is not its ``scaling`` attribute; where the source names no
+    number, the attribute it names (``self.scaling`` by default)."""
+    how = _scaling_arguments(type(module))
+    if how is not None and how[0] == "value":
+        value = how[1]
+    else:
+        value = getattr(module, how[1] if how is not None and how[0] == "self" else "scaling", None)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
 
 
 def _json_options(options: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -462,10 +599,30 @@ def _json_options(options: dict[str, Any]) -> tuple[dict[str, Any], bool]:
 def finish_conversion(model: nn.Module, estimator: str, options: dict[str, Any]) -> None:
     """Set ``attn_implementation="kernelattn"`` on every ``transformers`` model inside
     ``model`` and record the conversion in their configs (``config.kernelattn``:
-    estimator, options, whether they can be rebuilt from JSON)."""
+    estimator, options, whether they can be rebuilt from JSON).
+
+    Raises
+    ------
+    InputError
+        When an attention module that dispatches through the attention interface under
+        one of those configs was not converted (the encoder or cross-attention of an
+        encoder-decoder model): it would run ``"kernelattn"`` without an estimator.
+        Nothing is changed then (``model`` is the caller's copy).
+    """
     register()
     from transformers import PreTrainedModel
 
+    switched = {id(c) for sub in model.modules() if isinstance(sub, PreTrainedModel) for c in _configs(sub.config)}
+    for name, module in model.named_modules():
+        if isinstance(module, KernelDecoderAttention) or id(getattr(module, "config", None)) not in switched:
+            continue
+        if _calls_attention_interface(type(module)) and not isinstance(module, PreTrainedModel):
+            raise InputError(
+                f"model: {name!r} ({type(module).__name__}) is an attention that conversion does not convert (not a "
+                "causal self-attention: an encoder or cross-attention), and the converted model would run it with "
+                f"attn_implementation={IMPLEMENTATION!r} and no estimator; models that mix such attention with a "
+                "decoder's (encoder-decoder models such as BART, Whisper or T5) are not supported"
+            )
     record_options, portable = _json_options(options)
     done: set[int] = set()
     for sub in model.modules():

@@ -4,8 +4,10 @@ Every estimator is linear in the values, so its attention rows are the output fo
 one-hot values: :math:`\\hat P = \\mathrm{est}(Q, K, I_M)` (``[B, H, N, M]``), whatever
 the estimator (:meth:`~kernelattn_core.interfaces.AttentionEstimator.attention_rows`,
 which estimators that can form the rows directly override). The teacher's rows are
-:math:`P = \\mathrm{softmax}(QK^\\top/\\sqrt d)`
-over the allowed keys. Losses (per query row, averaged):
+:math:`P = \\mathrm{softmax}(s\\,QK^\\top)` over the allowed keys, with the scale :math:`s`
+the teacher's layer applies (:math:`1/\\sqrt d` unless the module scales otherwise, as
+GPT-2's ``scale_attn_by_inverse_layer_idx`` or Gemma's ``query_pre_attn_scalar`` do;
+conversion records it in the estimator). Losses (per query row, averaged):
 
 * ``"ce"``: cross-entropy :math:`-\\sum_j P_{ij} \\log \\max(\\hat P_{ij}, \\epsilon)`,
   reported as the KL divergence :math:`\\mathrm{KL}(P \\| \\hat P)` (the same gradient);
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
+from ..module import zero_padded
 from ..validation import check_choice, check_positive_int
 
 _EPS = 1e-12
@@ -96,6 +99,7 @@ class _Layer:
     v: list[torch.Tensor]
     kpm: list[torch.Tensor | None]  # each [1, N] bool
     causal: bool
+    scale: float | None = None  # the logits' factor (None: 1 / sqrt(d)), the converted estimator's
 
 
 def _batches(batches: Any) -> list[Any]:
@@ -153,9 +157,12 @@ def capture_layers(student: nn.Module, teacher: nn.Module, batches: Iterable[Any
     for name, module in modules:
         if not seen[name]:
             raise InputError(f"teacher: module {name!r} was never called on the batches")
-        layer = _Layer([], [], [], [], False)
+        layer = _Layer([], [], [], [], False, scale=_scale(module.estimator))
         for args, kwargs in seen[name]:
             q, k, v, kpm, causal = module.attention_inputs(*args, **kwargs)
+            # no value at a padded key may reach the teacher's output through a zero weight:
+            # the teacher leaves NaN there after a fully masked row of its own softmax
+            k, v = zero_padded(k, v, kpm)
             layer.causal = causal
             for b in range(q.shape[0]):
                 layer.q.append(q[b : b + 1])
@@ -166,9 +173,27 @@ def capture_layers(student: nn.Module, teacher: nn.Module, batches: Iterable[Any
     return out
 
 
-def _teacher_rows(q: torch.Tensor, k: torch.Tensor, kpm: torch.Tensor | None, causal: bool, rows: Any) -> torch.Tensor:
-    """Softmax attention rows ``[1, H, R, M]`` of the queries ``rows``."""
-    logits = (q[:, :, rows] @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [1, H, R, M]
+def _scale(estimator: nn.Module) -> float | None:
+    """The factor of the attention logits the converted ``estimator`` applies, which
+    conversion took from the module (``None``: the default :math:`1/\\sqrt d`)."""
+    scale = getattr(estimator, "scale", None)
+    return None if isinstance(scale, bool) or not isinstance(scale, int | float) else float(scale)
+
+
+def _teacher_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    kpm: torch.Tensor | None,
+    causal: bool,
+    rows: Any,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Softmax attention rows ``[1, H, R, M]`` of the queries ``rows``, the logits
+    scaled by ``scale`` (``None``: :math:`1/\\sqrt d`), as the teacher's layer scales
+    them (GPT-2's ``scale_attn_by_inverse_layer_idx``, Gemma's
+    ``query_pre_attn_scalar``, ...)."""
+    factor = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    logits = (q[:, :, rows] @ k.transpose(-1, -2)) * factor  # [1, H, R, M]
     if kpm is not None:
         logits = logits.masked_fill(kpm[:, None, None, :], float("-inf"))
     if causal:
@@ -187,7 +212,7 @@ def _student_rows(est: nn.Module, q, k, kpm, causal, rows, values):  # type: ign
 
 def _loss(est, layer: _Layer, i: int, rows: Any, loss: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
     q, k, v, kpm = layer.q[i], layer.k[i], layer.v[i], layer.kpm[i]
-    p = _teacher_rows(q, k, kpm, layer.causal, rows)  # [1, H, R, M]
+    p = _teacher_rows(q, k, kpm, layer.causal, rows, layer.scale)  # [1, H, R, M]
     if loss == "ce":
         # the student's rows: one-hot values by default, formed directly where the
         # estimator can (sliding-window: O(R M (d + D)) instead of a d_v = M call)
@@ -217,7 +242,7 @@ def _evaluate(est: nn.Module, layer: _Layer, loss: str) -> tuple[float, float]:
         total += float(_loss(est, layer, i, rows, loss)) * len(rows)
         count += len(rows)
         q, k, v, kpm = layer.q[i], layer.k[i], layer.v[i], layer.kpm[i]
-        ref = _teacher_rows(q, k, kpm, layer.causal, rows) @ v
+        ref = _teacher_rows(q, k, kpm, layer.causal, rows, layer.scale) @ v
         out = _student_rows(est, q, k, kpm, layer.causal, rows, v)
         num += float(((out - ref) ** 2).sum())
         den += float((ref**2).sum())
@@ -464,7 +489,7 @@ def output_errors(student: nn.Module, teacher: nn.Module, batches: Iterable[Any]
         for i in range(len(layer.q)):
             rows = _valid_rows(layer, i)
             q, k, v, kpm = layer.q[i], layer.k[i], layer.v[i], layer.kpm[i]
-            ref = _teacher_rows(q, k, kpm, layer.causal, rows) @ v
+            ref = _teacher_rows(q, k, kpm, layer.causal, rows, layer.scale) @ v
             got = _student_rows(est, q, k, kpm, layer.causal, rows, v)
             num += float(((got - ref) ** 2).sum())
             den += float((ref**2).sum())

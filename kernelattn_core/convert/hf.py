@@ -17,13 +17,30 @@ softmax. The wrapper reads the mask the model built for its own implementation
 estimator can honour: key padding, and causal with key padding. Anything else (a
 relative-position bias, ALiBi, packed sequences) is an error.
 
+The wrapper reproduces only the attention step, so only a module that does nothing else
+is converted (:func:`is_hf_self_attention` refuses the others at conversion, naming the
+class): its children are the projections and dropout, it owns no other parameter or
+buffer, its ``forward`` computes softmax attention (``ALL_ATTENTION_FUNCTIONS`` or a
+softmax, no Nyström/LSH/block-sparse/convolutional attention), takes no argument that
+carries position information the wrapper would drop (RoFormer's ``sinusoidal_pos``) and
+scales the logits by :math:`1/\\sqrt d`. ALBERT's ``AlbertAttention`` (which also owns
+the output projection, LayerNorm and residual), ConvBERT, Nystromformer, YOSO, MRA and
+RoFormer are refused. At call time every argument is read by the name the original
+``forward`` gives it, and one that carries a value the wrapper would not use (a position
+bias, rotary embeddings, encoder states, a head mask) is an error naming it. A causal
+(``is_decoder``) BERT self-attention given a cache decodes on the estimator's state, as
+converted decoders do (:mod:`kernelattn_core.convert.cache`).
+
 ``transformers`` is never imported here: modules are recognised by their attributes.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
+import math
+import re
 from typing import Any
 
 import torch
@@ -35,9 +52,58 @@ from ..module import build_estimator, zero_padded
 _BERT = ("query", "key", "value")
 _DISTIL = ("q_lin", "k_lin", "v_lin", "out_lin")
 
+#: the arguments of the original ``forward`` before its first call (older wrappers)
+_DEFAULT_CALL = ("hidden_states", "attention_mask")
+#: names under which a self-attention module receives the cache
+_CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+#: arguments whose value the wrapper does not need, whatever it is (absolute positions
+#: are in the hidden states already; the cache is read under its own names; the encoder
+#: mask only matters with encoder states, which are refused)
+_IGNORED = (
+    "position_ids",
+    "cache_position",
+    "use_cache",
+    "output_hidden_states",
+    "return_dict",
+    "encoder_attention_mask",
+)
+#: arguments the wrapper refuses when they carry a value
+_REFUSED = ("encoder_hidden_states", "head_mask")
+#: position information some families pass per call, ``None`` when the model has none
+#: (LayoutLMv3's ``position_bias``/``rel_pos``/``rel_2d_pos``, ESM's rotary
+#: ``position_embeddings``): refused when they carry a value
+_POSITION = ("position_bias", "rel_pos", "rel_2d_pos", "position_embeddings")
+#: every argument name an accepted module's ``forward`` may take
+_KNOWN = frozenset(
+    ("hidden_states", "attention_mask", "output_attentions", *_CACHE_ARGS, *_IGNORED, *_REFUSED, *_POSITION)
+)
+#: module attributes of attention algorithms other than softmax
+_APPROXIMATIONS = {
+    "num_landmarks": "Nyström attention",
+    "hash_code_len": "LSH attention (YOSO)",
+    "num_block": "multi-resolution attention (MRA)",
+    "num_random_blocks": "block-sparse attention",
+    "conv_kernel_size": "convolutional attention",
+}
+#: config flags that add position terms to the attention logits
+_POSITION_FLAGS = ("has_relative_attention_bias", "has_spatial_attention_bias", "rotary_value")
+
 
 def is_hf_self_attention(name: str, module: nn.Module) -> bool:
-    """Whether ``module`` is a BERT-family self-attention module (not cross-attention)."""
+    """Whether ``module`` is a BERT-family self-attention module (not cross-attention).
+
+    A module with BERT's ``query``/``key``/``value`` projections (and
+    ``attention_head_size``) or DistilBERT's ``q_lin``/``k_lin``/``v_lin``/``out_lin``
+    is one only if the wrapper computes what it computes (:func:`unconvertible`).
+
+    Raises
+    ------
+    InputError
+        When ``module`` has those projections but does more than the wrapper reproduces
+        (ALBERT's output projection and LayerNorm, ConvBERT's convolutions, Nyström or
+        LSH attention, RoFormer's rotary positions): converting it would change the
+        model's function.
+    """
     if isinstance(module, HFKernelSelfAttention):
         return False
     cls = type(module)
@@ -47,7 +113,100 @@ def is_hf_self_attention(name: str, module: nn.Module) -> bool:
         return False
     has = all(isinstance(getattr(module, a, None), nn.Linear) for a in _BERT) and hasattr(module, "attention_head_size")
     has_distil = all(isinstance(getattr(module, a, None), nn.Linear) for a in _DISTIL)
-    return has or has_distil
+    if not (has or has_distil):
+        return False
+    reason = unconvertible(module)
+    if reason:
+        raise InputError(
+            f"model: {name!r} ({cls.__name__}) {reason}; kernelized self-attention replaces only the softmax "
+            "attention step of a BERT-family self-attention, so converting it would change the model's function "
+            f"(expected a module that computes softmax attention of its {'/'.join(_DISTIL if has_distil else _BERT)} "
+            "projections and nothing else)"
+        )
+    return True
+
+
+def unconvertible(module: nn.Module) -> str:
+    """Why the wrapper would not compute what the BERT-family attention ``module``
+    computes (``""``: it would).
+
+    The wrapper applies the module's projections (and DistilBERT's ``out_lin``), then
+    softmax attention with the logits scaled by :math:`1/\\sqrt d`: anything else the
+    module owns or does is a reason, checked on its structure (children, parameters,
+    buffers, ``forward`` arguments) and on the few attributes that mark another
+    attention algorithm or position terms in the logits.
+    """
+    names = _DISTIL if all(isinstance(getattr(module, a, None), nn.Linear) for a in _DISTIL) else _BERT
+    extra = [
+        f"{n} ({type(c).__name__})"
+        for n, c in module.named_children()
+        if n not in names and not isinstance(c, nn.Dropout)
+    ]
+    if extra:
+        return f"owns {', '.join(extra)} beyond the projections (the wrapper would drop them)"
+    own = [n for n, _ in module.named_parameters(recurse=False)] + [n for n, _ in module.named_buffers(recurse=False)]
+    if own:
+        return f"owns the parameters or buffers {', '.join(own)} (the wrapper would drop them)"
+    for attr, what in _APPROXIMATIONS.items():
+        if getattr(module, attr, None) is not None:
+            return f"computes {what} ({attr}={getattr(module, attr)!r}), not softmax attention"
+    kind = getattr(module, "position_embedding_type", None)
+    if kind not in (None, "absolute"):
+        return f"adds {kind!r} position terms to the attention logits (position_embedding_type={kind!r})"
+    config = getattr(module, "config", None)
+    for flag in _POSITION_FLAGS:
+        if getattr(config, flag, None) is True:
+            return f"adds position terms to the attention logits (config.{flag}=True)"
+    params = _forward_parameters(type(module))
+    if params and params[0] == "hidden_states":  # otherwise from_module says which call it expects
+        unknown = [p for p in params[1:] if p not in _KNOWN]
+        if unknown:
+            return (
+                f"takes {', '.join(unknown)} in forward (position or layout information kernelized "
+                "self-attention does not apply)"
+            )
+    source = _forward_source(type(module))
+    if source is not None and "ALL_ATTENTION_FUNCTIONS" not in source and "softmax" not in source.lower():
+        return "computes its attention without a softmax (another attention algorithm)"
+    head_dim = getattr(module, names[0]).out_features // _num_heads(module)
+    scale = _logit_scale(module, head_dim, source)
+    if scale is not None and not math.isclose(scale, head_dim**-0.5, rel_tol=1e-6):
+        return f"scales the attention logits by {scale!r}, not 1/sqrt(head_dim) = {head_dim**-0.5!r}"
+    return ""
+
+
+@functools.cache
+def _forward_parameters(cls: type) -> tuple[str, ...]:
+    """The named parameters of ``cls.forward`` after ``self`` (no ``*args``/``**kwargs``)."""
+    try:
+        params = inspect.signature(cls.forward).parameters.values()
+    except (TypeError, ValueError):  # pragma: no cover - no signature to read
+        return ()
+    named = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(p.name for p in params if p.kind in named)[1:]
+
+
+@functools.cache
+def _forward_source(cls: type) -> str | None:
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # pragma: no cover - source not available
+        return None
+
+
+#: ESM scales the query by ``attention_head_size ** -0.5`` in ``forward`` and passes ``scaling=1.0``
+_PRESCALED_QUERY = re.compile(r"\*\s*self\.attention_head_size\s*\*\*\s*-0\.5")
+
+
+def _logit_scale(module: nn.Module, head_dim: int, source: str | None) -> float | None:
+    """The factor of the module's attention logits when its ``scaling`` attribute says
+    (``None``: it has none, the logits are divided by :math:`\\sqrt d` in ``forward``)."""
+    scaling = getattr(module, "scaling", None)
+    if isinstance(scaling, bool) or not isinstance(scaling, int | float):
+        return None
+    if source is not None and _PRESCALED_QUERY.search(source):
+        return float(scaling) * head_dim**-0.5
+    return float(scaling)
 
 
 def _num_heads(module: nn.Module) -> int:
@@ -71,12 +230,24 @@ class HFKernelSelfAttention(nn.Module):
     projections; DistilBERT's output projection ``out_lin`` is applied as in the
     original module.
 
+    Arguments are read by the names of the original ``forward`` (``call_names``), so a
+    value passed by position is checked like one passed by keyword: ``output_attentions``,
+    encoder states, a head mask, a position bias or position embeddings (any argument
+    the wrapper does not implement) are refused when they carry a value. A causal
+    module (a ``BertConfig(is_decoder=True)`` model) given a cache decodes on the
+    estimator's state (:func:`~kernelattn_core.convert.cache.state_layer`), as the
+    converted decoders do.
+
     Attributes
     ----------
     estimator : AttentionEstimator
     num_heads, head_dim : int
     source : str
         Class name of the module that was replaced.
+    call_names : tuple of str
+        The named arguments of the replaced module's ``forward``, in order.
+    layer_idx : int or None
+        The replaced module's layer index (where its decoding state is in a cache).
     """
 
     def __init__(
@@ -87,6 +258,8 @@ class HFKernelSelfAttention(nn.Module):
         *,
         source: str = "",
         is_causal: bool = False,
+        call_names: tuple[str, ...] = _DEFAULT_CALL,
+        layer_idx: int | None = None,
     ) -> None:
         super().__init__()
         for name, proj in projections.items():
@@ -98,6 +271,8 @@ class HFKernelSelfAttention(nn.Module):
         self.estimator = estimator
         self.source = source
         self.is_causal = is_causal
+        self.call_names = tuple(call_names)
+        self.layer_idx = layer_idx
 
     @classmethod
     def from_module(cls, module: nn.Module, estimator: str, **options: Any) -> HFKernelSelfAttention:
@@ -114,22 +289,61 @@ class HFKernelSelfAttention(nn.Module):
         heads = _num_heads(module)
         ref = projections[names[0]].weight
         est = build_estimator(estimator, ref.shape[0] // heads, heads, options).to(device=ref.device, dtype=ref.dtype)
+        layer_idx = getattr(module, "layer_idx", None)
         out = cls(
             projections,
             heads,
             est,
             source=type(module).__name__,
             is_causal=bool(getattr(module, "is_causal", False)),
+            call_names=_forward_parameters(type(module)),
+            layer_idx=layer_idx if isinstance(layer_idx, int) and not isinstance(layer_idx, bool) else None,
         )
         out.train(module.training)
         return out
 
-    def attention_inputs(
-        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
-        """``q, k, v [B, H, N, d]``, the bool ``key_padding_mask [B, N]`` and the causal
-        flag for the arguments of :meth:`forward`."""
-        _refuse(args, kwargs)
+    def _arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
+        """``(hidden_states, attention_mask, cache)`` of a call with the replaced module's
+        arguments, each read by its name there; any other argument that carries a value
+        the wrapper would not use is refused, naming it."""
+        names = getattr(self, "call_names", _DEFAULT_CALL)
+        if len(args) > len(names):
+            raise InputError(
+                f"hidden_states: {self.source}.forward takes at most {len(names)} positional arguments "
+                f"({', '.join(names)}), got {len(args)}"
+            )
+        bound = dict(zip(names, args))
+        for key, value in kwargs.items():
+            if key in bound:
+                raise InputError(f"{key}: given both by position and by keyword")
+            bound[key] = value
+        if "hidden_states" not in bound:
+            raise InputError(
+                "hidden_states: missing (kernelized self-attention is called as forward(hidden_states, ...))"
+            )
+        hidden_states = bound.pop("hidden_states")
+        attention_mask = bound.pop("attention_mask", None)
+        if bound.pop("output_attentions", None):
+            raise InputError("output_attentions: kernelized attention never forms the attention weights; pass False")
+        cache = None
+        for name in _CACHE_ARGS:
+            value = bound.pop(name, None)
+            if value is not None:
+                cache = value
+        for name, value in bound.items():
+            if value is None or name in _IGNORED:
+                continue
+            if name in _REFUSED:
+                raise InputError(f"{name}: not supported by kernelized self-attention (got a value, expected None)")
+            raise InputError(
+                f"{name}: not supported by kernelized self-attention (got a {type(value).__name__}, expected None); "
+                f"the wrapper of {self.source} uses the hidden states, the attention mask and a decoder's cache "
+                "only, and would drop it (a position bias, position embeddings or other information)"
+            )
+        return hidden_states, attention_mask, cache
+
+    def _project(self, hidden_states: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q, k, v [B, H, N, d]``."""
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
             raise InputError(f"hidden_states: expected a tensor [B, N, E], got {getattr(hidden_states, 'shape', None)}")
         b, n, _ = hidden_states.shape
@@ -138,37 +352,68 @@ class HFKernelSelfAttention(nn.Module):
         q = qp(hidden_states).view(shape).transpose(1, 2)  # [B, H, N, d]
         k = kp(hidden_states).view(shape).transpose(1, 2)  # [B, H, N, d]
         v = vp(hidden_states).view(shape).transpose(1, 2)  # [B, H, N, d]
+        return q, k, v
+
+    def attention_inputs(
+        self, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
+        """``q, k, v [B, H, N, d]``, the bool ``key_padding_mask [B, N]`` and the causal
+        flag for the arguments of :meth:`forward` (called with the teacher's arguments by
+        :func:`~kernelattn_core.convert.distill_attention`; a cache is neither read nor
+        written)."""
+        hidden_states, attention_mask, _ = self._arguments(args, kwargs)
+        return self._inputs(hidden_states, attention_mask)
+
+    def _inputs(
+        self, hidden_states: Any, attention_mask: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
+        q, k, v = self._project(hidden_states)
+        b, _, n, _ = q.shape
         kpm, causal = masks_from_hf(attention_mask, b, n, n)
         k, v = zero_padded(k, v, kpm)
         return q, k, v, kpm, causal or (self.is_causal and attention_mask is None)
 
-    def forward(
-        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, None]:
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
         """``(output [B, N, E], None)``, as the replaced module returns ``(output, weights)``."""
-        q, k, v, kpm, causal = self.attention_inputs(hidden_states, attention_mask, *args, **kwargs)
-        out = self.estimator(q, k, v, causal=causal, key_padding_mask=kpm)  # [B, H, N, d]
+        hidden_states, attention_mask, cache = self._arguments(args, kwargs)
+        if cache is None:
+            q, k, v, kpm, causal = self._inputs(hidden_states, attention_mask)
+            out = self.estimator(q, k, v, causal=causal, key_padding_mask=kpm)  # [B, H, N, d]
+        else:
+            out = self._decode(hidden_states, attention_mask, cache)  # [B, H, N, d]
         b, _, n, _ = out.shape
         out = out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim)
         if self.distil:
             out = self.out_lin(out)
         return out, None
 
+    def _decode(self, hidden_states: Any, attention_mask: Any, cache: Any) -> torch.Tensor:
+        """Causal attention ``[B, H, N, d]`` of the ``N`` new positions, continuing the
+        layer's decoding state in ``cache`` (the estimator's ``step`` state, or a
+        key/value cache for estimators without one)."""
+        if not self.is_causal:
+            raise InputError(
+                f"cache: {self.source} is bidirectional (is_causal=False); only the causal self-attention of a "
+                "decoder (BertConfig(is_decoder=True)) decodes with a cache (got a "
+                f"{type(cache).__name__}, expected None)"
+            )
+        from .cache import state_layer
+
+        layer = state_layer(cache, getattr(self, "layer_idx", None))
+        q, k, v = self._project(hidden_states)
+        b, _, n, _ = q.shape
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() in (2, 4) and attention_mask.shape[-1] > n:
+            attention_mask = attention_mask[..., -n:]  # a mask over every position so far: the new keys
+        kpm, causal = masks_from_hf(attention_mask, b, n, n)
+        rows = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and attention_mask.shape[-2] > 1
+        if n > 1 and rows and not causal:
+            raise InputError("attention_mask: decoding with a state is causal; this call's mask is bidirectional")
+        k, v = layer.update(k, v)
+        k, v = zero_padded(k, v, kpm)
+        return layer.attend(self.estimator, q, k, v, kpm)
+
     def extra_repr(self) -> str:
         return f"source={self.source}, num_heads={self.num_heads}, head_dim={self.head_dim}"
-
-
-def _refuse(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    if any(a is not None for a in args):
-        raise InputError(
-            "hidden_states: kernelized self-attention takes (hidden_states, attention_mask); "
-            "extra positional arguments (head_mask, encoder states, cache) are not supported"
-        )
-    if kwargs.get("output_attentions"):
-        raise InputError("output_attentions: kernelized attention never forms the attention weights; pass False")
-    for name in ("encoder_hidden_states", "head_mask", "past_key_values", "past_key_value"):
-        if kwargs.get(name) is not None:
-            raise InputError(f"{name}: not supported by kernelized self-attention (got a value, expected None)")
 
 
 def masks_from_hf(mask: Any, batch: int, n: int, m: int) -> tuple[torch.Tensor | None, bool]:
