@@ -8,8 +8,9 @@ group::
     myplugin = "my_package.plugin"
 
 Each hook is called once per plugin when the registry is built (built-ins first,
-then entry points in name order). Every hook returns a list of classes; all answers
-are collected (no first-result-wins). Each class carries a unique registry ``name``
+then entry points: the shipped plugins first, then the others, each in name order).
+Every hook returns a list of classes; all answers are collected (no
+first-result-wins). Each class carries a unique registry ``name``
 (lower case letters, digits and ``-``), unique across all four kinds so that
 :func:`kernelattn_core.create` can resolve any name.
 """

@@ -39,12 +39,15 @@ Engine helpers
     the backends (``Backend``, ``Problem``, ``register_backend``,
     ``select_backend``, ``attend_features``, ``attend_normalized``).
 Claims and verification
-    every claim type of :mod:`kernelattn_core.claims`, ``check_claim``, ``z_threshold``.
+    every claim type of :mod:`kernelattn_core.claims`, ``ClaimDeprecationWarning`` (what a
+    claim in a deprecated form warns with, to filter or assert in a plugin's tests),
+    ``check_claim``, ``z_threshold``.
 Experiments and reports
     ``Experiment``, ``add_output_arguments``, ``check_plot``, ``write_results``;
     ``median_time``, ``peak_memory``, ``line_panels``, ``boxplots``, ``grouped_bars``.
 Testing kit
-    ``conformance_tests``, ``fuzz_tests``, ``fuzz_tensors`` (the fuzzer's ``q, k, v``
+    ``conformance_tests``, ``conformance_cases`` (the same checks as plain callables, for
+    use outside pytest), ``fuzz_tests``, ``fuzz_tensors`` (the fuzzer's ``q, k, v``
     generator), ``cli_main`` (run the ``kernelattn`` command in-process).
 """
 
@@ -147,6 +150,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
             "UnbiasedKernelEstimate",
         )
     },
+    "ClaimDeprecationWarning": ("kernelattn_core.claims", "ClaimDeprecationWarning"),
     "check_claim": ("kernelattn_core.verify", "check_claim"),
     "z_threshold": ("kernelattn_core.verify.result", "z_threshold"),
     # experiments and reports
@@ -157,7 +161,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("kernelattn_core.report.measure", n) for n in ("median_time", "peak_memory")},
     **{n: ("kernelattn_core.report.plot", n) for n in ("boxplots", "grouped_bars", "line_panels")},
     # testing kit
-    **{n: ("kernelattn_core.testing", n) for n in ("conformance_tests", "fuzz_tests")},
+    **{n: ("kernelattn_core.testing", n) for n in ("conformance_cases", "conformance_tests", "fuzz_tests")},
     "fuzz_tensors": ("kernelattn_core.testing.fuzz", "_tensors"),
     "cli_main": ("kernelattn_core.cli.main", "main"),
 }

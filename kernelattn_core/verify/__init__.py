@@ -14,10 +14,14 @@ positive definiteness on random point sets (KN006), and a shift-invariant kernel
 that declares its spectral density (``spectral_density_mp``) for agreement with the
 density's Fourier integral (KN005); a feature map flagged ``positive`` (and not
 log-space, where positivity holds by construction) gets FM002 and one flagged
-``unbiased`` (random, with a target kernel) gets FM001, unless it declares them
-itself with its own settings. Every estimator and every feature map gets the engine
-claims (:func:`.engine.implied_engine_claims`): EN001 for feature-map attention (every
-feature map, every subclass of :class:`~kernelattn_core.FeatureMapAttention` however it
+``unbiased`` with a target kernel, in either form
+(:func:`~kernelattn_core.registry.target_kernel_name`: ``kernel = "name"`` or
+``target_kernel_class``), gets FM001 (:func:`implied_kernel_estimate`): a random map the
+Monte Carlo test, a deterministic one the exactness test (the estimate equals the
+kernel within rounding), unless it declares them itself with its own settings. Every
+estimator and every feature map gets the engine claims
+(:func:`.engine.implied_engine_claims`): EN001 for feature-map attention (every feature
+map, every subclass of :class:`~kernelattn_core.FeatureMapAttention` however it
 overrides ``_attend``), EN002 where ``causal=True`` is supported, EN003 always.
 
 A claim with an option ``grid`` is expanded by :func:`expand` into one claim per point
@@ -28,6 +32,9 @@ is checked in its meaningful form.
 A name given to :func:`select` that matches nothing, or a plugin that failed to
 load, raises :class:`~kernelattn_core.errors.PluginError` naming the load error:
 ``kernelattn verify NAME`` never reports "0 passed" for a plugin that is not there.
+The registry refuses a class whose ``claims`` holds anything but claim instances; a
+class checked without it (an :class:`~kernelattn_core.registry.Entry` built by hand)
+gets a failing row for such an entry, never a crash.
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ from ..claims import (
 )
 from ..errors import InputError, PluginError, UnknownNameError
 from ..interfaces.kernel import DotProductKernel, KernelFamily
-from ..registry import Entry, Registry, get_registry
+from ..registry import Entry, Registry, get_registry, target_kernel_name
 from .result import CheckResult
 
 Checker = Callable[[Entry, Any, str, dict[str, str]], CheckResult]
@@ -102,7 +109,10 @@ def _checkers() -> dict[type, Checker]:
 
 def claims_of(entry: Entry) -> list[Claim]:
     """Declared claims of a class, plus those its capability data implies."""
-    claims = list(getattr(entry.cls, "claims", ()) or ())
+    declared_claims = getattr(entry.cls, "claims", ()) or ()
+    if isinstance(declared_claims, str | Claim):  # not a tuple: refused at registration, one bad row here
+        declared_claims = (declared_claims,)
+    claims = list(declared_claims)
     declared = {type(c) for c in claims}
     cls = entry.cls
     if entry.kind == "kernel" and issubclass(cls, DotProductKernel):
@@ -133,12 +143,42 @@ def claims_of(entry: Entry) -> list[Claim]:
     if entry.kind == "feature_map":
         if cls.positive and not cls.log_space and PositiveFeatures not in declared:
             claims.append(PositiveFeatures())
-        if cls.unbiased and cls.random and cls.kernel is not None and UnbiasedKernelEstimate not in declared:
-            claims.append(UnbiasedKernelEstimate())
+        implied = implied_kernel_estimate(cls)
+        if implied is not None and UnbiasedKernelEstimate not in declared:
+            claims.append(implied)
     from .engine import implied_engine_claims
 
     claims.extend(implied_engine_claims(entry, declared))
     return claims
+
+
+#: redraws of the FM001 implied for a deterministic map: a redraw changes nothing, so the
+#: check compares the (one) estimate with the kernel; a few redraws show that it has no variance
+EXACT_MAP_REDRAWS = 4
+
+
+def implied_kernel_estimate(cls: type) -> UnbiasedKernelEstimate | None:
+    """The FM001 claim a feature-map class's capability data imply, or ``None``.
+
+    A map flagged ``unbiased`` that declares a target kernel, as a registry name
+    (``kernel``) or as a class (``target_kernel_class``, read by
+    :func:`~kernelattn_core.registry.target_kernel_name`), promises
+    :math:`\\mathbb{E}[\\phi_q(x)^\\top \\phi_k(y)] = K(x, y)`: a random map is checked by
+    Monte Carlo with the claim's defaults; a deterministic map (``random = False``), whose
+    estimate has no variance, for exactness (the estimate equals the kernel within
+    rounding, :data:`~kernelattn_core.verify.statistical.EXACT_RTOL`) with
+    :data:`EXACT_MAP_REDRAWS` redraws.
+    """
+    if not getattr(cls, "unbiased", False) or target_kernel_name(cls) is None:
+        return None
+    if getattr(cls, "random", True):
+        return UnbiasedKernelEstimate()
+    return UnbiasedKernelEstimate(redraws=EXACT_MAP_REDRAWS)
+
+
+def _rule(claim: Any) -> str:
+    """The rule ID of a claims entry (``"?"`` for an entry that is not a claim instance)."""
+    return (getattr(claim, "rule", "") or "?") if isinstance(claim, Claim) else "?"
 
 
 def _plugin_spec(entry: Entry) -> str:
@@ -154,7 +194,7 @@ def expand(claim: Claim, level: str = "quick") -> list[Claim]:
     """The claims one declared claim stands for at ``level``: itself when it has no
     ``grid``; else one claim at ``options | point`` for the declared options and each
     grid point (quick level: the declared options and the first point only)."""
-    grid = tuple(getattr(claim, "grid", ()) or ())
+    grid = tuple(getattr(claim, "grid", ()) or ()) if isinstance(claim, Claim) else ()
     if not grid:
         return [claim]
     if not hasattr(claim, "options"):
@@ -242,6 +282,16 @@ def check_claim(entry: Entry, claim: Claim, level: str = "quick") -> CheckResult
     """
     from ..claims.spec import deprecation_of, warn_deprecated
 
+    if not isinstance(claim, Claim):  # a rule ID, a claim class without (): refused at registration
+        what = f"the claim class {claim.__name__}" if isinstance(claim, type) else repr(claim)
+        return CheckResult(
+            _rule(claim),
+            claim=f"claims entry {what} of {entry.cls.__qualname__}",
+            numbers={"error": f"{what} is not a claim instance (declare e.g. UnbiasedKernelEstimate(...))"},
+            verdict="fail",
+            plugin=entry.plugin,
+            target=entry.name,
+        )
     points = expand(claim, level)
     if len(points) > 1:
         results = [check_claim(entry, point, level) for point in points]
@@ -296,7 +346,7 @@ def run_checks(
     results = []
     for entry, claim in plan(names, registry, level):
         if progress is not None:
-            progress(f"{claim.rule} {entry.name}")
+            progress(f"{_rule(claim)} {entry.name}")
         results.append(check_claim(entry, claim, level))
     return results
 
@@ -327,12 +377,12 @@ def run_cli(args: argparse.Namespace) -> int:
 
     rules = set(getattr(args, "rule", None) or ())
     every = list(plan(args.names, level=args.level))
-    known = {c.rule for _, c in every}
+    known = {_rule(c) for _, c in every}
     if rules - known:  # a typo would run nothing and report "0 passed, 0 failed"
         raise InputError(
             f"--rule: {sorted(rules - known)} is not a rule of the selected classes; theirs are {sorted(known)}"
         )
-    pairs = [(e, c) for e, c in every if not rules or c.rule in rules]
+    pairs = [(e, c) for e, c in every if not rules or _rule(c) in rules]
     results = []
     start = time.perf_counter()
     with (
@@ -344,7 +394,7 @@ def run_cli(args: argparse.Namespace) -> int:
         warnings.simplefilter("always", ClaimDeprecationWarning)
         for entry, claim in pairs:
             results.append(check_claim(entry, claim, args.level))
-            bar.advance(f"{claim.rule} {entry.name}")
+            bar.advance(f"{_rule(claim)} {entry.name}")
     elapsed = time.perf_counter() - start
     records = [r.as_record() for r in results]
     if args.format == "json":
@@ -358,4 +408,14 @@ def run_cli(args: argparse.Namespace) -> int:
     return 1 if any(not r.passed for r in results) else 0
 
 
-__all__ = ["CheckResult", "check_claim", "claims_of", "expand", "plan", "run_checks", "run_cli", "select"]
+__all__ = [
+    "CheckResult",
+    "check_claim",
+    "claims_of",
+    "expand",
+    "implied_kernel_estimate",
+    "plan",
+    "run_checks",
+    "run_cli",
+    "select",
+]

@@ -11,6 +11,12 @@ check detects with probability 0.95 at the level run,
 sensitive pair. A defect smaller than that passes; run ``--level full`` (more draws,
 and, for FM001 and FM002, head dimension 128 besides the declared ones) to look closer.
 
+**No variance.** An FM001 pair whose estimates do not vary (a deterministic map, whose
+redraws change nothing, or an input where every feature is the same) has no standard
+error to divide by: it is checked for exactness instead, the relative difference of the
+estimate from the kernel within :data:`EXACT_RTOL` (rounding), and its z-score is not
+reported.
+
 **Shapes first.** FM001 and FM003 check that :meth:`query` and :meth:`key` return
 ``[pairs, feature_dim]`` before any statistics, so a wrong shape is reported as a
 shape error, not as a variance or bias failure.
@@ -40,6 +46,12 @@ SEED = 20_261_121
 Z_POWER = 1.6448536269514722
 #: head dimension ``--level full`` adds to every FM001-FM003 claim (defects that appear only for large d)
 FULL_LEVEL_DIM = 128
+#: FM001 on a pair without variance (its standard error below :data:`NO_VARIANCE_RTOL` of the
+#: kernel, rounding noise): the estimate must equal the kernel within this relative
+#: tolerance (float64 rounding of a feature sum is far below it; a bias of a map is far above)
+EXACT_RTOL = 1e-9
+#: a pair's standard error at most this fraction of ``|K|`` is rounding noise, not variance
+NO_VARIANCE_RTOL = 1e-12
 
 
 def _scaled(level: str, full: int, quick_floor: int = 200) -> int:
@@ -141,13 +153,50 @@ def exact_pairs(fm: FeatureMap, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
         return fm.exact_kernel(x.unsqueeze(-2), y.unsqueeze(-2)).reshape(-1)
 
 
+def unbiased_pairs(
+    est: torch.Tensor, target: torch.Tensor, threshold: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FM001's per-pair test of estimates ``est [redraws, pairs]`` against ``target [pairs]``.
+
+    A pair with variance gets the z-test (:math:`|\\bar x - K| / \\mathrm{se}` below
+    ``threshold``); a pair without (standard error at most :data:`NO_VARIANCE_RTOL` of
+    :math:`|K|`: a deterministic map, or inputs where every draw agrees) the exactness test
+    (relative difference within :data:`EXACT_RTOL`), since dividing its rounding error by
+    a zero standard error would give a meaningless z-score.
+
+    Returns
+    -------
+    z : Tensor ``[pairs]``
+        z-scores, 0 for the pairs without variance.
+    rel : Tensor ``[pairs]``
+        Relative differences :math:`|\\bar x - K| / |K|`.
+    exact : Tensor ``[pairs]`` of bool
+        Which pairs had no variance.
+    ok : Tensor ``[pairs]`` of bool
+        Which pairs passed their test.
+    """
+    redraws = est.shape[0]
+    mean = est.mean(0)
+    se = est.std(0) / math.sqrt(redraws) if redraws > 1 else torch.zeros_like(mean)
+    diff = (mean - target).abs()
+    scale = torch.maximum(target.abs(), mean.abs())
+    exact = se <= NO_VARIANCE_RTOL * target.abs()
+    z = torch.where(exact, torch.zeros_like(diff), diff / se.clamp_min(1e-300))
+    rel = diff / target.abs().clamp_min(1e-300)
+    ok = torch.where(exact, diff <= EXACT_RTOL * scale, z < threshold) & torch.isfinite(est).all(0)
+    return z, rel, exact, ok
+
+
 def check_unbiased(cls: type[FeatureMap], claim: UnbiasedKernelEstimate, level: str, **ids: str) -> CheckResult:
-    """FM001: per-pair z-scores of the Monte Carlo mean against the exact kernel."""
+    """FM001: per-pair z-scores of the Monte Carlo mean against the exact kernel; a pair
+    whose estimate has no variance (a deterministic map) is checked for exactness
+    instead (:func:`unbiased_pairs`)."""
     dims = _dims(level, claim.dims, _class_dims(cls), large=not claim.point)  # grid points: declared dims
     redraws = _scaled(level, claim.redraws)
     threshold = z_threshold(len(dims) * claim.pairs)
     worst_z, worst_rel, ok = 0.0, 0.0, True
     sensitivity = math.inf
+    exact_pairs_seen = 0
     per_dim: dict[str, Any] = {}
     for d in dims:
         try:
@@ -171,16 +220,22 @@ def check_unbiased(cls: type[FeatureMap], claim: UnbiasedKernelEstimate, level: 
         r_d = redraws if d in claim.dims or d != FULL_LEVEL_DIM else max(redraws // 4, 100)
         est = pair_estimates(fm, x, y, r_d, SEED + 1000 * d)
         target = exact_pairs(fm, x, y)
-        mean, se = est.mean(0), est.std(0) / math.sqrt(r_d)
-        z = ((mean - target) / se.clamp_min(1e-300)).abs()
-        rel = ((mean - target).abs() / target.abs().clamp_min(1e-300)).max()
-        per_dim[f"max_z_d{d}"] = round(float(z.max()), 3)
+        z, rel, exact, passed = unbiased_pairs(est, target, threshold)
+        if bool(exact.all()):
+            per_dim[f"max_rel_diff_d{d}"] = float(f"{float(rel.max()):.3g}")
+        else:
+            per_dim[f"max_z_d{d}"] = round(float(z.max()), 3)
         if r_d != redraws:
             per_dim[f"redraws_d{d}"] = r_d
-        sensitivity = min(sensitivity, _sensitivity(threshold, se, target))
-        worst_z, worst_rel = max(worst_z, float(z.max())), max(worst_rel, float(rel))
-        ok &= bool(torch.isfinite(est).all()) and float(z.max()) < threshold
-    numbers = {
+        if not bool(exact.all()):
+            se = est.std(0)[~exact] / math.sqrt(r_d)
+            sensitivity = min(sensitivity, _sensitivity(threshold, se, target[~exact]))
+        if bool(exact.any()):
+            sensitivity = min(sensitivity, EXACT_RTOL)
+        exact_pairs_seen += int(exact.sum())
+        worst_z, worst_rel = max(worst_z, float(z.max())), max(worst_rel, float(rel.max()))
+        ok &= bool(passed.all())
+    numbers: dict[str, Any] = {
         "max_abs_z": round(worst_z, 3),
         "z_threshold": round(threshold, 3),
         "max_rel_bias": float(f"{worst_rel:.3g}"),
@@ -188,11 +243,17 @@ def check_unbiased(cls: type[FeatureMap], claim: UnbiasedKernelEstimate, level: 
         "redraws": redraws,
         "num_features": claim.num_features,
         "pairs": claim.pairs,
-        **per_dim,
     }
+    if exact_pairs_seen:
+        numbers["pairs_without_variance"] = exact_pairs_seen
+        numbers["exact_rtol"] = EXACT_RTOL
+    numbers.update(per_dim)
+    text = f"E[phi_q(x).phi_k(y)] == K(x, y), d in {list(dims)}, |x|,|y| in {list(claim.norm_range)}"
+    if exact_pairs_seen:
+        text += f" (pairs without variance: equal within rel. {EXACT_RTOL:g})"
     return CheckResult(
         UnbiasedKernelEstimate.rule,
-        claim=f"E[phi_q(x).phi_k(y)] == K(x, y), d in {list(dims)}, |x|,|y| in {list(claim.norm_range)}",
+        claim=text,
         numbers=numbers,
         verdict=verdict(ok),
         **ids,

@@ -71,6 +71,7 @@ def measured_targets(name: str, **options: Any) -> Targets:
     'softmax'
     """
     from ..api import create  # same layer: verify/ sits beside the top-level API
+    from ..registry import target_kernel_name
 
     est = create(name, **options)
     kernel = getattr(est, "kernel", None)
@@ -79,7 +80,7 @@ def measured_targets(name: str, **options: Any) -> Targets:
         try:
             kernel = fm.target_kernel()
         except Exception:
-            kernel = getattr(fm, "kernel", None)
+            kernel = target_kernel_name(fm)  # either form: kernel = "name" or target_kernel_class
     if kernel is None and fm is None:
         # no kernel and no feature map: a sampling estimator of softmax attention itself (IF001)
         return Targets("softmax", "softmax", True)
