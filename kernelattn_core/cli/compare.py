@@ -49,7 +49,7 @@ from ..builtins.estimators import ExactAttention, FeatureMapAttention
 from ..builtins.kernels import SoftmaxKernel
 from ..errors import InputError
 from ..interfaces.kernel import Kernel
-from ..registry import get_registry
+from ..registry import get_registry, target_kernel_name
 from ..report.measure import benchmark_time, peak_memory
 from ..report.progress import Progress
 from ..tasks.run import budget_options, has_budget, parse_spec
@@ -160,7 +160,7 @@ def spend(name: str, budget: int | None, causal: bool, head_dim: int) -> dict[st
 
 def _target_kernel(estimator: Any) -> Kernel:
     """The exact kernel an estimator targets, as configured; softmax when it has none."""
-    if isinstance(estimator, FeatureMapAttention) and estimator.feature_map.kernel is not None:
+    if isinstance(estimator, FeatureMapAttention) and target_kernel_name(estimator.feature_map) is not None:
         return estimator.feature_map.target_kernel()
     kernel = getattr(estimator, "kernel", None)
     return kernel if isinstance(kernel, Kernel) else SoftmaxKernel()
@@ -438,7 +438,7 @@ def _one(
                 attn_errs.append(
                     relative_error(out.double(), ref, mask) if mask is not None else _rel(out.double(), ref)
                 )
-                if isinstance(est, FeatureMapAttention) and est.feature_map.kernel is not None:
+                if isinstance(est, FeatureMapAttention) and target_kernel_name(est.feature_map) is not None:
                     qs, ks = est.transform(q[..., :128, :], k[..., :128, :])
                     exact_k = est.feature_map.exact_kernel(qs, ks).double()
                     approx = est.feature_map.kernel_estimate(qs, ks).double()
