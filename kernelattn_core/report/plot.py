@@ -149,7 +149,12 @@ def compare_figure(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
                 ax.axhline(r["attn_rel_error"], ls=":" if is_base else "--", lw=1.4 if is_base else 1, color=color)
                 label = "baseline: mean of V (grey: does not beat it)" if is_base else r["estimator"]
                 ax.annotate(label, (0.01, r["attn_rel_error"]), xycoords=("axes fraction", "data"), fontsize=7)
-        ax.set(xscale="log", yscale="log", xlabel="budget (features / samples)", ylabel="relative output error")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="budget per query (feature dimension / samples)",
+            ylabel="relative output error",
+        )
         _plain_ticks(ax, [r["budget"] for r in sel])
         ax.set_title(f"{regime}, N = {n_max} (median, quartiles over seeds)", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
