@@ -5,7 +5,6 @@ it and not each other)."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -39,17 +38,10 @@ def _one_line(exc: BaseException) -> str:
 
 def _check_output_path(flag: str, path: str | None) -> None:
     """A file that can be written: not a folder, in a folder that exists and is writable
-    (checked before any work, not after the whole fit)."""
-    if path is None:
-        return
-    target = Path(path)
-    if target.is_dir():
-        raise InputError(f"{flag}: expected a file name, got the folder {path!r}")
-    folder = target.parent if str(target.parent) else Path(".")
-    if not folder.is_dir():
-        raise InputError(f"{flag}: the folder {str(folder)!r} of {path!r} does not exist (create it first)")
-    if not os.access(folder, os.W_OK):
-        raise InputError(f"{flag}: the folder {str(folder)!r} of {path!r} is not writable")
+    (checked before any work, not after the whole fit; the convert writers create no folder)."""
+    from ..report.output import check_output_path
+
+    check_output_path(flag, path, make_folders=False)
 
 
 def _read_texts(flag: str, source: str) -> str:

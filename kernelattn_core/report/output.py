@@ -124,10 +124,12 @@ def render(records: Sequence[dict[str, Any]], columns: Sequence[str], fmt: str, 
     raise ValueError(f"format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
 
 
-def check_output_path(flag: str, path: str | os.PathLike[str] | None) -> None:
-    """Refuse, before any work, an output path that :func:`emit` or a figure could not
-    write after it: a folder, or a path under a file or an unwritable folder (missing
-    folders are fine: they are created). ``flag`` names the argument in the error."""
+def check_output_path(flag: str, path: str | os.PathLike[str] | None, *, make_folders: bool = True) -> None:
+    """Refuse, before any work, an output path that could not be written after it: a
+    folder, or a path in an unwritable folder. With ``make_folders`` (what :func:`emit`
+    and the figures do: missing folders are created) a path under a file is refused;
+    without it (a writer that creates no folder) a folder that does not exist.
+    ``flag`` names the argument in the error."""
     if path is None or str(path) == "":
         return
     from pathlib import Path
@@ -137,11 +139,15 @@ def check_output_path(flag: str, path: str | os.PathLike[str] | None) -> None:
     target = Path(path)
     if target.is_dir():
         raise InputError(f"{flag}: expected a file name, got the folder {str(path)!r}")
-    folder = target.parent
-    while not folder.exists() and folder != folder.parent:  # the nearest folder that exists
-        folder = folder.parent
-    if not folder.is_dir():
-        raise InputError(f"{flag}: expected a path in a folder, got {str(path)!r}, under the file {str(folder)!r}")
+    folder = target.parent if str(target.parent) else Path(".")
+    if not make_folders:
+        if not folder.is_dir():
+            raise InputError(f"{flag}: the folder {str(folder)!r} of {str(path)!r} does not exist (create it first)")
+    else:
+        while not folder.exists() and folder != folder.parent:  # the nearest folder that exists
+            folder = folder.parent
+        if not folder.is_dir():
+            raise InputError(f"{flag}: expected a path in a folder, got {str(path)!r}, under the file {str(folder)!r}")
     if not os.access(folder, os.W_OK):
         raise InputError(f"{flag}: the folder {str(folder)!r} of {str(path)!r} is not writable")
 
