@@ -21,6 +21,13 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_DRAW_ELEMENTS = 2**28
 
 
+def check_head_dim(name: str, x: torch.Tensor, head_dim: int) -> None:
+    """Refuse ``x [..., d]`` whose last dimension is not ``head_dim`` (the width a feature
+    map was built for), naming ``name`` and ``x``'s whole shape."""
+    if x.shape[-1] != head_dim:
+        raise InputError(f"{name}: expected last dimension d = {head_dim}, got shape {tuple(x.shape)}")
+
+
 def check_tensor(name: str, x: object, ndim: int | None = None, shape_doc: str = "") -> torch.Tensor:
     """Check that ``x`` is a floating-point tensor with ``ndim`` dimensions."""
     if not isinstance(x, torch.Tensor):

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import InputError
+from ..validation import check_head_dim
 from .launch import _FALLBACK, BackendLaunchError, BackendWarning, fallback_allowed  # noqa: F401 - re-exported
 
 
@@ -264,8 +265,7 @@ def attend_features(
     fm = feature_map
     spec = fm.fused_spec() if backend.load_fused is not None else None
     if spec is not None and not spec.omega.requires_grad:
-        if q.shape[-1] != fm.head_dim:
-            raise InputError(f"q: expected last dimension d = {fm.head_dim}, got shape {tuple(q.shape)}")
+        check_head_dim("q", q, fm.head_dim)
         half = (torch.float16, torch.bfloat16)
         q, k = (q.float(), k.float()) if q.dtype in half else (q, k)  # as raw_features does
         return backend.load_fused()(

@@ -82,7 +82,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError
-from ..validation import finite_rows
+from ..validation import check_head_dim, finite_rows
 from .chunked import (
     DEFAULT_CHUNK,
     CausalInputs,
@@ -622,8 +622,8 @@ def grouped_feature_attention(
     ``(num, den)``, or ``(out,)`` with a ``normalizer``.
     """
     fm = feature_map
-    if fm.built and q.shape[-1] != fm.head_dim:  # named with q's own shape, not the empty slice's below
-        raise InputError(f"q: expected last dimension d = {fm.head_dim}, got shape {tuple(q.shape)}")
+    if fm.built:  # named with q's own shape, not the empty slice's below
+        check_head_dim("q", q, fm.head_dim)
     fm.raw_features(q[:, :, :0], query=True)  # builds an unbuilt map, checks d (naming q)
     chunk = chunk_size or DEFAULT_CHUNK
     dtype = compute_dtype(q.dtype)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
-from ..validation import check_budget, check_positive_int, check_tensor, isolated_rows
+from ..validation import check_budget, check_head_dim, check_positive_int, check_tensor, isolated_rows
 from .kernel import Kernel
 from .names import resolve_class
 from .state import add_family_marker
@@ -275,8 +275,7 @@ class FeatureMap(nn.Module, ABC):
             raise InputError(f"{arg}: expected a tensor [..., d], got a scalar")
         if not self.built:
             self.build(x.shape[-1])
-        if x.shape[-1] != self.head_dim:
-            raise InputError(f"{arg}: expected last dimension d = {self.head_dim}, got shape {tuple(x.shape)}")
+        check_head_dim(arg, x, self.head_dim)
         return x.float() if x.dtype in _HALF else x
 
     def _log(self, x: torch.Tensor, is_query: bool, arg: str) -> torch.Tensor:
