@@ -68,7 +68,7 @@ from torch import nn
 
 from ..errors import InputError
 from ..module import build_estimator, zero_padded
-from .hf import masks_from_hf
+from .hf import CACHE_ARGS, NO_WEIGHTS, forward_source, masks_from_hf
 
 #: the name under which the attention and mask functions are registered in transformers
 IMPLEMENTATION = "kernelattn"
@@ -76,19 +76,13 @@ IMPLEMENTATION = "kernelattn"
 #: the ``config`` attribute that records the conversion (estimator, options, version)
 RECORD = "kernelattn"
 
-#: names under which ``transformers`` attention modules receive their cache
-_CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
-
 
 # ---------------------------------------------------------------------- recognising the modules
 @functools.cache
 def _calls_attention_interface(cls: type) -> bool:
     """Whether ``cls.forward`` dispatches through ``ALL_ATTENTION_FUNCTIONS``."""
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):  # pragma: no cover - source not available
-        return False
-    return "ALL_ATTENTION_FUNCTIONS" in source
+    source = forward_source(cls)
+    return source is not None and "ALL_ATTENTION_FUNCTIONS" in source
 
 
 def is_hf_decoder_attention(name: str, module: nn.Module) -> bool:
@@ -175,7 +169,7 @@ class KernelDecoderAttention(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("output_attentions") or _collecting_attentions():
-            raise InputError(_NO_WEIGHTS)
+            raise InputError(NO_WEIGHTS)
         cache = _find_cache(self._kernel_base, args, kwargs)
         layer = None
         if cache is not None:
@@ -221,9 +215,6 @@ class KernelDecoderAttention(nn.Module):
         return f"{base}, kernelized" if base else "kernelized"
 
 
-_NO_WEIGHTS = "output_attentions: kernelized attention never forms the attention weights; pass False"
-
-
 def _collecting_attentions() -> bool:
     """Whether the running ``transformers`` model collects attention weights
     (``output_attentions=True`` is read by the model's output-capturing hooks and not
@@ -239,14 +230,14 @@ def _collecting_attentions() -> bool:
 @functools.cache
 def _cache_position(base: type) -> int | None:
     params = list(inspect.signature(base.forward).parameters)
-    for name in _CACHE_ARGS:
+    for name in CACHE_ARGS:
         if name in params:
             return params.index(name) - 1  # without self
     return None
 
 
 def _find_cache(base: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    for name in _CACHE_ARGS:
+    for name in CACHE_ARGS:
         if kwargs.get(name) is not None:
             return kwargs[name]
     pos = _cache_position(base)
@@ -256,7 +247,7 @@ def _find_cache(base: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
 
 
 def _without_cache(base: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict]:
-    kwargs = {k: (None if k in _CACHE_ARGS else v) for k, v in kwargs.items()}
+    kwargs = {k: (None if k in CACHE_ARGS else v) for k, v in kwargs.items()}
     kwargs.pop("use_cache", None)
     pos = _cache_position(base)
     if pos is not None and pos < len(args):
@@ -323,7 +314,7 @@ def _check_arguments(module: nn.Module, kwargs: dict[str, Any]) -> None:
     that the estimator does not implement, naming it."""
     name = getattr(getattr(module, "_kernel_base", None), "__name__", type(module).__name__)
     if kwargs.get("output_attentions"):
-        raise InputError(_NO_WEIGHTS)
+        raise InputError(NO_WEIGHTS)
     for key, value in kwargs.items():
         if value is None or key in _HARMLESS or key == "output_attentions":
             continue
@@ -547,9 +538,12 @@ def _scaling_arguments(cls: type) -> tuple[Any, ...] | None:
     its source: ``("self", name)`` for ``self.<name>``, ``("value", x)`` for a number;
     ``None`` when the source cannot tell (it is unavailable, passes none by keyword,
     something else or several things)."""
+    source = forward_source(cls)
+    if source is None:  # pragma: no cover - source not available
+        return None
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError, SyntaxError):  # pragma: no cover - source not available
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:  # pragma: no cover - a source that does not parse alone
         return None
     found: set[tuple[Any, ...]] = set()
     for node in ast.walk(tree):

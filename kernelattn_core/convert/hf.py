@@ -54,8 +54,11 @@ _DISTIL = ("q_lin", "k_lin", "v_lin", "out_lin")
 
 #: the arguments of the original ``forward`` before its first call (older wrappers)
 _DEFAULT_CALL = ("hidden_states", "attention_mask")
-#: names under which a self-attention module receives the cache
-_CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+#: names under which an attention module receives the cache (encoders here, decoders in
+#: :mod:`kernelattn_core.convert.decoder`)
+CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+#: the refusal of ``output_attentions=True`` (encoders and decoders)
+NO_WEIGHTS = "output_attentions: kernelized attention never forms the attention weights; pass False"
 #: arguments whose value the wrapper does not need, whatever it is (absolute positions
 #: are in the hidden states already; the cache is read under its own names; the encoder
 #: mask only matters with encoder states, which are refused)
@@ -75,7 +78,7 @@ _REFUSED = ("encoder_hidden_states", "head_mask")
 _POSITION = ("position_bias", "rel_pos", "rel_2d_pos", "position_embeddings")
 #: every argument name an accepted module's ``forward`` may take
 _KNOWN = frozenset(
-    ("hidden_states", "attention_mask", "output_attentions", *_CACHE_ARGS, *_IGNORED, *_REFUSED, *_POSITION)
+    ("hidden_states", "attention_mask", "output_attentions", *CACHE_ARGS, *_IGNORED, *_REFUSED, *_POSITION)
 )
 #: module attributes of attention algorithms other than softmax
 _APPROXIMATIONS = {
@@ -165,7 +168,7 @@ def unconvertible(module: nn.Module) -> str:
                 f"takes {', '.join(unknown)} in forward (position or layout information kernelized "
                 "self-attention does not apply)"
             )
-    source = _forward_source(type(module))
+    source = forward_source(type(module))
     if source is not None and "ALL_ATTENTION_FUNCTIONS" not in source and "softmax" not in source.lower():
         return "computes its attention without a softmax (another attention algorithm)"
     head_dim = getattr(module, names[0]).out_features // _num_heads(module)
@@ -187,7 +190,8 @@ def _forward_parameters(cls: type) -> tuple[str, ...]:
 
 
 @functools.cache
-def _forward_source(cls: type) -> str | None:
+def forward_source(cls: type) -> str | None:
+    """The source of ``cls.forward`` (read once per class), ``None`` where it is not available."""
     try:
         return inspect.getsource(cls.forward)
     except (OSError, TypeError):  # pragma: no cover - source not available
@@ -324,9 +328,9 @@ class HFKernelSelfAttention(nn.Module):
         hidden_states = bound.pop("hidden_states")
         attention_mask = bound.pop("attention_mask", None)
         if bound.pop("output_attentions", None):
-            raise InputError("output_attentions: kernelized attention never forms the attention weights; pass False")
+            raise InputError(NO_WEIGHTS)
         cache = None
-        for name in _CACHE_ARGS:
+        for name in CACHE_ARGS:
             value = bound.pop(name, None)
             if value is not None:
                 cache = value
