@@ -194,6 +194,30 @@ def test_hf_model_with_a_linear_estimator_differs_and_ignores_padding(tokenizer)
     assert (a[keep] - ref[keep]).abs().max() > 1e-6  # a real change (exact conversion: < 1e-10)
 
 
+@pytest.mark.parametrize("form", ["2d", "4d-additive"])
+@pytest.mark.parametrize("kind", ["bert", "distilbert"])
+def test_hf_wrapper_keeps_nan_at_padded_positions_out_of_its_weights_gradients(kind: str, form: str) -> None:
+    """A NaN hidden state at a padded position reaches neither an unpadded output row nor
+    a projection weight's gradient (the projections ran before the padded keys were
+    zeroed: ``0 * nan`` in the weight gradient of the padded row)."""
+    converted = convert_attention(tiny(kind), "prf", num_features=8, seed=0).train()
+    module = converted_modules(converted)[0][1]
+    torch.manual_seed(1)
+    hidden = torch.randn(2, 5, 16, dtype=torch.float64)
+    keep = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    poisoned = hidden.masked_fill(~keep[:, :, None], float("nan"))
+    if form == "2d":
+        mask = keep.long()
+    else:
+        mask = torch.zeros(2, 1, 5, 5, dtype=torch.float64).masked_fill(~keep[:, None, None, :], -1e9)
+    clean, _ = module(hidden, mask)
+    out, _ = module(poisoned, mask)
+    torch.testing.assert_close(out[keep], clean[keep])
+    out[keep].square().sum().backward()
+    for name, p in module.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+
+
 def test_hf_refuses_attention_weights_and_unknown_masks() -> None:
     converted = convert_attention(tiny(), "elu")
     with pytest.raises(ka.InputError, match="output_attentions"):

@@ -348,9 +348,7 @@ class HFKernelSelfAttention(nn.Module):
 
     def _project(self, hidden_states: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``q, k, v [B, H, N, d]``."""
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
-            raise InputError(f"hidden_states: expected a tensor [B, N, E], got {getattr(hidden_states, 'shape', None)}")
-        b, n, _ = hidden_states.shape
+        b, n = _batch_length(hidden_states)
         qp, kp, vp = (self.q_lin, self.k_lin, self.v_lin) if self.distil else (self.query, self.key, self.value)
         shape = (b, n, self.num_heads, self.head_dim)
         q = qp(hidden_states).view(shape).transpose(1, 2)  # [B, H, N, d]
@@ -371,9 +369,11 @@ class HFKernelSelfAttention(nn.Module):
     def _inputs(
         self, hidden_states: Any, attention_mask: Any
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
-        q, k, v = self._project(hidden_states)
-        b, _, n, _ = q.shape
+        b, n = _batch_length(hidden_states)
         kpm, causal = masks_from_hf(attention_mask, b, n, n)
+        if kpm is not None:  # padded rows are keys and queries: nothing there (NaN too) reaches a weight gradient
+            hidden_states = hidden_states.masked_fill(kpm[:, :, None], 0.0)
+        q, k, v = self._project(hidden_states)
         k, v = zero_padded(k, v, kpm)
         return q, k, v, kpm, causal or (self.is_causal and attention_mask is None)
 
@@ -404,20 +404,29 @@ class HFKernelSelfAttention(nn.Module):
         from .cache import state_layer
 
         layer = state_layer(cache, getattr(self, "layer_idx", None))
-        q, k, v = self._project(hidden_states)
-        b, _, n, _ = q.shape
+        b, n = _batch_length(hidden_states)
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() in (2, 4) and attention_mask.shape[-1] > n:
             attention_mask = attention_mask[..., -n:]  # a mask over every position so far: the new keys
         kpm, causal = masks_from_hf(attention_mask, b, n, n)
         rows = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and attention_mask.shape[-2] > 1
         if n > 1 and rows and not causal:
             raise InputError("attention_mask: decoding with a state is causal; this call's mask is bidirectional")
+        if kpm is not None:
+            hidden_states = hidden_states.masked_fill(kpm[:, :, None], 0.0)
+        q, k, v = self._project(hidden_states)
         k, v = layer.update(k, v)
         k, v = zero_padded(k, v, kpm)
         return layer.attend(self.estimator, q, k, v, kpm)
 
     def extra_repr(self) -> str:
         return f"source={self.source}, num_heads={self.num_heads}, head_dim={self.head_dim}"
+
+
+def _batch_length(hidden_states: Any) -> tuple[int, int]:
+    """``B, N`` of ``hidden_states [B, N, E]``, refused by name when it is not such a tensor."""
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+        raise InputError(f"hidden_states: expected a tensor [B, N, E], got {getattr(hidden_states, 'shape', None)}")
+    return hidden_states.shape[0], hidden_states.shape[1]
 
 
 def masks_from_hf(mask: Any, batch: int, n: int, m: int) -> tuple[torch.Tensor | None, bool]:
