@@ -720,6 +720,24 @@ def test_shape_outside_the_kernels_runs_torch_with_one_warning(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+@interp
+@pytest.mark.parametrize(
+    ("shape", "match"), [((4, 1, 9), "B \\* H = 4 heads exceed"), ((1, 2, 200), "4 chunks of 64 rows exceed")]
+)
+def test_grid_beyond_cudas_axis_limit_runs_torch(monkeypatch, shape, match):
+    """B * H and the chunk count sit on a launch grid's y/z axes (at most 65535 programs on
+    CUDA): beyond, the call goes to the torch backend with a warning instead of failing
+    with the driver's raw "invalid argument" (the limit is lowered to 3 here)."""
+    monkeypatch.setattr(T, "_MAX_GRID_YZ", 3)
+    monkeypatch.setattr(T, "_WARNED", set())
+    est = _estimator("prf", {})
+    b, h, n = shape
+    q, k, v = (torch.randn(b, h, n, 4, dtype=torch.float64) for _ in range(3))
+    with pytest.warns(B.BackendWarning, match=match):
+        out = ka.kernel_attention(q, k, v, est, causal=True, backend="triton")
+    torch.testing.assert_close(out, ka.kernel_attention(q, k, v, est, causal=True, backend="torch"))
+
+
 # ---------------------------------------------------------------- GPU (full sizes)
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

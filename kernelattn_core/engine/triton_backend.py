@@ -66,6 +66,8 @@ _HALF = (torch.float16, torch.bfloat16)
 _FEAT = {"exp": 2, "trig": 3}
 #: row offsets are int32 inside the kernels: rows * width must stay below this
 _MAX_OFFSET = 2**31
+#: CUDA's limit on a launch grid's y and z axes (the x axis allows 2^31 - 1)
+_MAX_GRID_YZ = 65535
 #: fused multiply-add in the compiled kernels (named at launch: Triton 3.9 warns when it is left implicit)
 FP_FUSION = True
 
@@ -378,10 +380,20 @@ def _make_call(
     )
 
 
-def _outside(call: _Call, n: int, m: int, dv: int) -> str | None:
-    """Why a shape cannot run in the kernels (``None``: it can)."""
+def _outside(call: _Call, n: int, v: torch.Tensor) -> str | None:
+    """Why a shape cannot run in the kernels (``None``: it can): int32 offsets, and CUDA's
+    limit of 65535 programs on a launch grid's second and third axes, which carry the
+    ``B * H`` heads and the chunks of ``bt`` rows."""
+    b, h, m, dv = v.shape
     if max(n, m) * _pad16(max(call.d, call.e, dv)) >= _MAX_OFFSET:
         return f"{call.shape}: a head's rows times their width reach 2^31 (the kernels' offsets are int32)"
+    if b * h > _MAX_GRID_YZ:
+        return f"{call.shape}: B * H = {b * h} heads exceed a launch grid axis ({_MAX_GRID_YZ} programs)"
+    if _cdiv(max(n, m), call.cfg.bt) > _MAX_GRID_YZ:
+        return (
+            f"{call.shape}: {_cdiv(max(n, m), call.cfg.bt)} chunks of {call.cfg.bt} rows exceed a launch grid "
+            f"axis ({_MAX_GRID_YZ} programs)"
+        )
     return None
 
 
@@ -813,7 +825,7 @@ def feature_attention_triton(
         key_padding_mask=key_padding_mask,
         state=None,
     )
-    reason = _outside(call, phi_q.shape[2], v.shape[2], v.shape[3])
+    reason = _outside(call, phi_q.shape[2], v)
     if reason is not None:
         _torch_instead(reason)
         from .torch_backend import feature_attention_torch
@@ -901,7 +913,7 @@ def fused_feature_attention_triton(
         state=None,
         family=spec.family,
     )
-    reason = _outside(call, q.shape[2], v.shape[2], v.shape[3])
+    reason = _outside(call, q.shape[2], v)
     if reason is not None:
         _torch_instead(reason)
         from .torch_backend import feature_attention_torch
@@ -962,7 +974,7 @@ def feature_attention_step_triton(
         key_padding_mask=key_padding_mask,
         state=state,
     )
-    reason = _outside(call, phi_q.shape[2], v.shape[2], v.shape[3])
+    reason = _outside(call, phi_q.shape[2], v)
     if reason is not None:
         _torch_instead(reason)
         from .torch_backend import feature_attention_step
