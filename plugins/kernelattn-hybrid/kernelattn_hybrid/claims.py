@@ -23,7 +23,7 @@ import torch
 
 from kernelattn_core.toolkit import ConsistentAttention, EngineReference, RuntimeIdentity
 
-from .naive import window_attention_naive
+from .naive import leading_padding, window_attention_naive
 
 
 # --------------------------------------------------------------------------- sliding-window
@@ -32,7 +32,8 @@ def sliding_window_reference(
 ) -> torch.Tensor:
     """EN001 reference: the full ``[N, M]`` weight matrix of
     :func:`~kernelattn_hybrid.naive.window_attention_naive` from the estimator's map (its
-    ``prepare`` and raw features), window and global tokens."""
+    ``prepare`` and raw features), window and global tokens (counted from each row's
+    leading padding, :func:`~kernelattn_hybrid.naive.leading_padding`)."""
     fm = est.feature_map
     fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)
     phi_q, phi_k = fm.raw_features(q, query=True), fm.raw_features(k, query=False)
@@ -47,6 +48,7 @@ def sliding_window_reference(
         global_tokens=est.global_tokens,
         causal=causal,
         key_padding_mask=key_padding_mask,
+        global_offset=None if key_padding_mask is None else leading_padding(key_padding_mask),
     )
 
 

@@ -24,6 +24,7 @@ from kernelattn_core.toolkit import (
 
 from . import window as window_module
 from .claims import SLIDING_WINDOW_CLAIMS
+from .naive import leading_padding
 from .window import (
     WindowState,
     empty_window_state,
@@ -58,7 +59,8 @@ class SlidingWindowAttention(AttentionEstimator):
 
     with :math:`W_i = \\{ j : |i - j| \\le w \\}` non-causal (``2w + 1`` keys) or
     :math:`W_i = \\{ j : i - w < j \\le i \\}` causal (the last ``w`` keys), plus the first
-    ``global_tokens`` keys (attention sinks such as ``[CLS]``) for every query.
+    ``global_tokens`` keys of the row after its leading padding (attention sinks such as
+    ``[CLS]`` or a decoder's first token) for every query.
     Linear in sequence length (see :mod:`kernelattn_hybrid.window`); with
     :math:`w \\ge N` it is exact softmax attention.
 
@@ -81,7 +83,17 @@ class SlidingWindowAttention(AttentionEstimator):
     head_dim : int, optional
         Build the map now; otherwise on the first call.
     global_tokens : int
-        The first this many keys are always exact (counted in :attr:`budget`).
+        The first this many keys of each row are always exact (counted in :attr:`budget`).
+        They are counted from the end of the row's **leading padding**: with
+        ``key_padding_mask [B, M]`` (``True`` = padded), row ``b`` whose first ``o_b`` keys
+        are padded (left padding, as ``generate()`` pads batched prompts) has the global
+        tokens ``o_b .. o_b + g - 1``
+        (:func:`~kernelattn_hybrid.naive.leading_padding`), so the amount of left padding
+        never changes a row's output. Padding that does not start the row (right padding,
+        holes) moves nothing: a padded global token there is masked like any padded key.
+        The window is relative and needs no offset. Cross-attention (``N != M``) offsets the
+        keys' global tokens alone; the window stays at :math:`|i - j| \\le w`. The decoding
+        state (:meth:`step`) keeps the same tokens in its sink slots.
     block_size : int, optional
         Block length of the blocked computation; ``max(window, 32)`` by default. Given, the
         blocked computation runs at every length; by default inputs of at most
@@ -177,6 +189,18 @@ class SlidingWindowAttention(AttentionEstimator):
         with pure feature maps should count)."""
         return self.exact_keys(causal) + self.feature_map.num_features
 
+    def _global_offset(self, key_padding_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """Where each row's global tokens start: its number of leading padded keys ``[B]``
+        (:func:`~kernelattn_hybrid.naive.leading_padding`), or ``None`` (the keys
+        ``0 .. g - 1``, the kernels' plain slices) without global tokens, without a mask, or,
+        eagerly, when no row starts with a padded key (one read of ``mask[:, 0]``; compiled,
+        no value is read back: the offsets, zeros then, are always passed)."""
+        if self.global_tokens == 0 or key_padding_mask is None:
+            return None
+        if not torch.compiler.is_compiling() and not bool(key_padding_mask[:, 0].any()):
+            return None
+        return leading_padding(key_padding_mask)
+
     def _attend_scaled(self, q, k, v, root, causal, key_padding_mask):  # type: ignore[no-untyped-def]
         # the factor is applied in _attend, on the copies that its masking makes anyway
         return self._attend(q, k, v, causal, key_padding_mask, root=root)
@@ -225,6 +249,7 @@ class SlidingWindowAttention(AttentionEstimator):
             "global_tokens": self.global_tokens,
             "causal": causal,
             "key_padding_mask": key_padding_mask,
+            "global_offset": self._global_offset(key_padding_mask),
         }
         out_dtype = v.dtype
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -266,7 +291,9 @@ class SlidingWindowAttention(AttentionEstimator):
         state : WindowState, optional
             Returned by the previous call; ``None`` starts a sequence.
         key_padding_mask : Tensor ``[B, T]`` of bool, optional
-            Padding among the new positions.
+            Padding among the new positions. Leading padding (a row whose positions so far
+            are all padded) moves that row's global tokens past it, as in the forward; the
+            state counts it across calls (``WindowState.lead``).
 
         Returns
         -------
@@ -383,6 +410,7 @@ class SlidingWindowAttention(AttentionEstimator):
             window=self.window,
             global_tokens=self.global_tokens,
             keep=keep,
+            padded=None if mask is None else mask[:, 0],
         )
         state.poisoned = state.poisoned | dead.squeeze(-1)
         nan_rows = (state.poisoned.unsqueeze(-1) | bad_q).unsqueeze(-1)  # [B, H, 1, 1]
@@ -401,21 +429,37 @@ class SlidingWindowAttention(AttentionEstimator):
         v = v.masked_fill(~keep.unsqueeze(-1), 0.0).to(dtype)
         state = empty_window_state(b, h, d, v.shape[-1], w, g, dtype, q.device)
         pos = torch.arange(t, device=q.device)
+        # the global tokens: positions lead .. lead + g - 1 of each row (lead: its leading padding)
+        lead = None if mask is None else leading_padding(mask)  # [B]
+        if lead is None:
+            local = (pos >= g)[None, None]  # [1, 1, T]: not a global token
+        else:
+            local = ~((pos >= lead[:, None]) & (pos < lead[:, None] + g))[:, None]  # [B, 1, T]
         if w > 0:
             recent = pos[max(0, t - w) :]  # [r]: the positions in the window after this call
             slots = recent % w
             state.keys[:, :, slots] = k[:, :, recent]
             state.values[:, :, slots] = v[:, :, recent]
-            state.valid[:, :, slots] = keep[:, :, recent] & (recent >= g)
-        first = pos[: min(g, t)]
-        state.sink_keys[:, :, first] = k[:, :, first]
-        state.sink_values[:, :, first] = v[:, :, first]
-        state.sink_valid[:, :, first] = keep[:, :, first]
+            state.valid[:, :, slots] = keep[:, :, recent] & local[..., recent]
+        if lead is None:
+            first = pos[: min(g, t)]
+            state.sink_keys[:, :, first] = k[:, :, first]
+            state.sink_values[:, :, first] = v[:, :, first]
+            state.sink_valid[:, :, first] = keep[:, :, first]
+        elif g and t:
+            where = lead[:, None] + torch.arange(g, device=q.device)  # [B, g]
+            inside = where < t  # a row's global tokens may not have come yet
+            index = where.clamp(max=t - 1)[:, None].expand(b, h, g)  # [B, H, g]
+            absent = ~inside[:, None, :, None]
+            state.sink_keys = k.gather(2, index[..., None].expand(b, h, g, d)).masked_fill(absent, 0.0)
+            state.sink_values = v.gather(2, index[..., None].expand(b, h, g, v.shape[-1])).masked_fill(absent, 0.0)
+            state.sink_valid = keep.gather(2, index) & inside[:, None, :]
+        state.lead = lead
         older = pos[: max(0, t - w)]  # positions that left the window: in the features unless global
         if older.numel():
             fm = self.feature_map
             lk = fm.raw_features(k[:, :, older], query=False).to(dtype)
-            drop = ~(keep[:, :, older] & (older >= g))
+            drop = ~(keep[:, :, older] & local[..., older])
             state.features = absorb_keys(None, lk, v[:, :, older], log_space=fm.log_space, drop=drop)
         state.length = t
         state.poisoned = dead.any(-1)
@@ -451,6 +495,8 @@ class SlidingWindowAttention(AttentionEstimator):
         check_state_tensor("sink_keys", state.sink_keys, (b, h, g, d), device, owner, "[B, H, g, d]")
         check_state_tensor("sink_values", state.sink_values, (b, h, g, dv), device, owner, "[B, H, g, dv]")
         check_state_tensor("poisoned", state.poisoned, (b, h), device, owner, "[B, H]")
+        if state.lead is not None:
+            check_state_tensor("lead", state.lead, (b,), device, owner, "[B]")
         if isinstance(state.length, bool) or not isinstance(state.length, int) or state.length < 0:
             raise InputError(f"state: expected length to be an int >= 0, got {state.length!r}")
         f = state.features
@@ -485,6 +531,7 @@ class SlidingWindowAttention(AttentionEstimator):
             global_tokens=self.global_tokens,
             causal=causal,
             key_padding_mask=key_padding_mask,
+            global_offset=self._global_offset(key_padding_mask),
         )
         self.last_backend = "rows"
         pos = torch.arange(k.shape[-2], device=k.device)

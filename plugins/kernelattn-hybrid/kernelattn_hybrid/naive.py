@@ -9,19 +9,40 @@ from __future__ import annotations
 import torch
 
 
+def leading_padding(key_padding_mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` (int64): the number of padded keys before each row's first key that is not
+    padded (``M`` for a row that is all padding); ``key_padding_mask [B, M]``, ``True`` =
+    padded. The global tokens of a row start there."""
+    return key_padding_mask.long().cumprod(-1).sum(-1)
+
+
 def exact_sets(
-    n: int, m: int, window: int, global_tokens: int, causal: bool, device: torch.device
+    n: int,
+    m: int,
+    window: int,
+    global_tokens: int,
+    causal: bool,
+    device: torch.device,
+    global_offset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(exact, seen)``, boolean ``[N, M]``: pairs computed exactly (window and global
-    tokens) and pairs the query may see at all (causal)."""
+    tokens) and pairs the query may see at all (causal).
+
+    The global tokens are the keys ``o .. o + g - 1``: ``o = 0`` without ``global_offset``;
+    with it (``[B]``, each row's offset, :func:`leading_padding`) ``exact`` is ``[B, 1, N, M]``."""
     i = torch.arange(n, device=device)[:, None]
     j = torch.arange(m, device=device)[None, :]
+    if global_offset is None:
+        is_global = j < global_tokens  # [1, M]
+    else:
+        o = global_offset.to(device)[:, None, None, None]  # [B, 1, 1, 1]
+        is_global = (j >= o) & (j < o + global_tokens)  # [B, 1, 1, M]
     if causal:
         seen = j <= i
-        exact = ((i - j >= 0) & (i - j < window)) | ((j < global_tokens) & seen)
+        exact = ((i - j >= 0) & (i - j < window)) | (is_global & seen)
     else:
         seen = torch.ones(n, m, dtype=torch.bool, device=device)
-        exact = ((i - j).abs() <= window) | (j < global_tokens)
+        exact = ((i - j).abs() <= window) | is_global
     return exact, seen
 
 
@@ -37,6 +58,7 @@ def window_attention_naive(
     global_tokens: int,
     causal: bool,
     key_padding_mask: torch.Tensor | None,
+    global_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The full ``[N, M]`` weight matrix: :math:`e^{q_i^\\top k_j}` on the exact set,
     :math:`\\phi_q(q_i)^\\top \\phi_k(k_j)` elsewhere, zero on disallowed pairs, rows
@@ -45,10 +67,12 @@ def window_attention_naive(
     For log-space maps the weights are formed as one log matrix,
     :math:`L_{ij} = q_i^\\top k_j` (exact) or :math:`\\log \\sum_D e^{l_{q,iD} + l_{k,jD}}`
     (features), and normalised by a row softmax; plain maps are normalised directly.
-    Rows with no allowed key give zeros.
+    Rows with no allowed key give zeros. ``global_offset [B]``: the global tokens of row
+    ``b`` are the keys ``global_offset[b] .. global_offset[b] + g - 1`` (the estimator passes
+    :func:`leading_padding`); ``None``: the keys ``0 .. g - 1``.
     """
     n, m = q.shape[-2], k.shape[-2]
-    exact, seen = exact_sets(n, m, window, global_tokens, causal, q.device)
+    exact, seen = exact_sets(n, m, window, global_tokens, causal, q.device, global_offset)
     allowed = seen[None, None]  # [1, 1, N, M]
     if key_padding_mask is not None:
         allowed = allowed & ~key_padding_mask[:, None, None, :]

@@ -2,8 +2,9 @@
 
 For query :math:`i` let :math:`W_i` be its exact set: the keys inside the window
 (:math:`|i - j| \\le w` non-causal; :math:`i - w < j \\le i` causal) and the first
-``g`` keys (global tokens, "attention sinks"). Every other allowed key :math:`j`
-(:math:`F_i`) enters through the feature map, and one normaliser covers both:
+``g`` keys (global tokens, "attention sinks"; with ``global_offset`` the keys
+``o_b .. o_b + g - 1`` of row ``b``: the estimator passes each row's leading padding).
+Every other allowed key :math:`j` (:math:`F_i`) enters through the feature map, and one normaliser covers both:
 
 .. math::
     \\mathrm{out}_i = \\frac{\\sum_{j \\in W_i} e^{s_{ij}} v_j + \\sum_{j \\in F_i} \\phi_q(q_i)^\\top \\phi_k(k_j) v_j}
@@ -115,6 +116,7 @@ def window_attention_blocked(
     causal: bool,
     key_padding_mask: torch.Tensor | None,
     block_size: int,
+    global_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sliding-window + feature-map attention (see the module docstring).
 
@@ -134,6 +136,10 @@ def window_attention_blocked(
     key_padding_mask : Tensor ``[B, M]`` of bool, optional
     block_size : int
         Block length ``C`` (at least ``window``).
+    global_offset : Tensor ``[B]`` of int, optional
+        Where the global tokens of each row start: the keys ``o_b .. o_b + g - 1`` of row
+        ``b`` (the estimator passes the row's leading padding,
+        :func:`~kernelattn_hybrid.naive.leading_padding`); ``None``: ``0 .. g - 1``.
 
     Returns
     -------
@@ -157,6 +163,7 @@ def window_attention_blocked(
             global_tokens=global_tokens,
             key_padding_mask=key_padding_mask,
             block_size=block_size,
+            global_offset=global_offset,
         )
     return _causal(
         q,
@@ -169,7 +176,37 @@ def window_attention_blocked(
         global_tokens=global_tokens,
         key_padding_mask=key_padding_mask,
         block_size=block_size,
+        global_offset=global_offset,
     )
+
+
+def _global_keys(
+    global_offset: torch.Tensor | None, g: int, valid: torch.Tensor, m_keys: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For per-row global tokens (``global_offset [B]``): their key positions, clamped into
+    ``[0, M)`` for gathering, and whether each is a valid key (inside ``[0, M)`` and not
+    padded; ``valid [B, >= M]``), both ``[B, g]``. ``None`` without offsets (the keys
+    ``0 .. g - 1``, sliced)."""
+    if global_offset is None or g == 0:
+        return None
+    gpos = global_offset.to(valid.device)[:, None] + torch.arange(g, device=valid.device)  # [B, g]
+    index = gpos.clamp(max=m_keys - 1)
+    return index, (gpos < m_keys) & valid.gather(1, index)
+
+
+def _gather_keys(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, M, e]`` at the per-row positions ``index [B, g]``: ``[B, H, g, e]``."""
+    b_, h_, _, e = x.shape
+    return x.gather(2, index[:, None, :, None].expand(b_, h_, index.shape[1], e))
+
+
+def _is_global(global_offset: torch.Tensor | None, g: int, pos: torch.Tensor) -> torch.Tensor:
+    """Whether the positions ``pos [L]`` are global tokens: ``[1, L]`` (``pos < g``) or, with
+    ``global_offset [B]``, ``[B, L]``."""
+    if global_offset is None:
+        return (pos < g)[None]
+    o = global_offset.to(pos.device)[:, None]
+    return (pos >= o) & (pos < o + g)
 
 
 #: positions per chunk of the engine's causal recurrence that carries the feature part
@@ -188,6 +225,7 @@ def _causal(
     global_tokens: int,
     key_padding_mask: torch.Tensor | None,
     block_size: int,
+    global_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The causal case of :func:`window_attention_blocked`.
 
@@ -215,7 +253,9 @@ def _causal(
     valid = (pos < m_keys).expand(b_, length)  # [B, L]
     if key_padding_mask is not None:
         valid = valid & ~F.pad(key_padding_mask, (0, length - m_keys), value=True)
-    feat_key = valid & (pos >= g)  # keys that may enter through features [B, L]
+    is_global = _is_global(global_offset, g, pos)  # [1 or B, L]
+    feat_key = valid & ~is_global  # keys that may enter through features [B, L]
+    glob = _global_keys(global_offset, g, valid, m_keys)  # per-row global keys, or None: 0 .. g - 1
 
     # ------------------------------------------------------------ feature part: the causal recurrence, delayed by w
     delayed = (pos - window).clamp(min=0)  # [L]: the key position row i reads, i - w
@@ -256,14 +296,20 @@ def _causal(
     valid_loc = valid[:, kpos.clamp(0, length - 1)] & in_range  # [B, nb, R]
     diff = qpos[:, :, None] - kpos[:, None, :]  # [nb, C, R]: i - j
     in_win = (diff >= 0) & (diff < window)
-    exact_loc = in_win[None] & valid_loc[:, :, None, :] & (kpos >= g)[None, :, None, :]  # [B, nb, C, R]
+    local_key = ~is_global[:, kpos.clamp(0, length - 1)]  # [1 or B, nb, R]: not a global token
+    exact_loc = in_win[None] & valid_loc[:, :, None, :] & local_key[:, :, None, :]  # [B, nb, C, R]
     s_loc = (qb @ k_loc.transpose(-1, -2)).masked_fill(~exact_loc[:, None], NEG)  # [B, H, nb, C, R]
     win_max = s_loc.detach().amax(-1).flatten(-2)  # [B, H, L]
     if g > 0:
         qg = F.pad(q, (0, 0, 0, length - n))  # [B, H, L, d]
-        s_g = qg @ k[:, :, :g].transpose(-1, -2)  # [B, H, L, g]
-        g_ok = valid[:, None, None, :g] & (pos[:, None] >= torch.arange(g, device=device))[None, None]
-        s_g = s_g.masked_fill(~g_ok, NEG)
+        if glob is None:
+            k_g, v_g = k[:, :, :g], v[:, :, :g]
+            g_ok = valid[:, None, None, :g] & (pos[:, None] >= torch.arange(g, device=device))[None, None]
+        else:  # per-row global keys [B, H, g, .]: valid ones at or before the row
+            index, ok = glob
+            k_g, v_g = _gather_keys(k, index), _gather_keys(v, index)
+            g_ok = (ok[:, None, :] & (pos[None, :, None] >= index[:, None, :]))[:, None]  # [B, 1, L, g]
+        s_g = (qg @ k_g.transpose(-1, -2)).masked_fill(~g_ok, NEG)  # [B, H, L, g]
         win_max = torch.maximum(win_max, s_g.detach().amax(-1))
     m_e = torch.where(torch.isfinite(win_max), win_max, torch.zeros_like(win_max))  # [B, H, L]
     # <= 1; exactly 0 off the exact set (a future key's value must not reach a row)
@@ -286,7 +332,7 @@ def _causal(
     num = num + num_f * w_f.unsqueeze(-1)
     den = den_e * w_e + den_f * w_f  # [B, H, L], in [1, 2] for positive maps
     if g > 0:
-        num = num + (e_g * w_e.unsqueeze(-1)) @ v[:, :, :g]
+        num = num + (e_g * w_e.unsqueeze(-1)) @ v_g
 
     num, den = num[:, :, :n], den[:, :, :n]
     safe = torch.where(den > 0, den, torch.ones_like(den))
@@ -452,6 +498,7 @@ def _noncausal(
     global_tokens: int,
     key_padding_mask: torch.Tensor | None,
     block_size: int,
+    global_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The non-causal case of :func:`window_attention_blocked` with few passes over the
     ``[T, C, 3C]`` local scores (``T = B H (nb + 2)`` blocks of the flat layout of
@@ -482,7 +529,8 @@ def _noncausal(
     valid = torch.ones(b_, m_keys, dtype=torch.bool, device=device)  # [B, M]
     if key_padding_mask is not None:
         valid = ~key_padding_mask
-    feat_key = valid & (pos >= g)  # keys of the window and feature sets (globals are apart) [B, M]
+    feat_key = valid & ~_is_global(global_offset, g, pos)  # keys of the window and feature sets (globals apart) [B, M]
+    glob = _global_keys(global_offset, g, valid, m_keys)  # per-row global keys, or None: 0 .. g - 1
 
     def flat(x: torch.Tensor, ones: bool = False) -> torch.Tensor:
         return _flat_blocks(x, nb, c_blk, ones)
@@ -564,10 +612,15 @@ def _noncausal(
     if g > 0:  # the global keys of every block's sequence, with a column of ones, and their bias
         ones = torch.ones(b_, h_, g, 1, dtype=v.dtype, device=device)
         per_block = (b_, h_, p, g)
-        blk.k_g = k[:, :, None, :g].expand(*per_block, k.shape[-1]).reshape(t_blk, g, -1)[inner]  # [T - 2, g, d]
-        v_g = torch.cat([v[:, :, :g], ones], -1)[:, :, None].expand(*per_block, dv + 1)
+        if glob is None:
+            k_g, v_g, g_valid = k[:, :, :g], v[:, :, :g], valid[:, :g]
+        else:  # per-row global keys [B, H, g, .]
+            index, g_valid = glob
+            k_g, v_g = _gather_keys(k, index), _gather_keys(v, index)
+        blk.k_g = k_g[:, :, None].expand(*per_block, k.shape[-1]).reshape(t_blk, g, -1)[inner]  # [T - 2, g, d]
+        v_g = torch.cat([v_g, ones], -1)[:, :, None].expand(*per_block, dv + 1)
         blk.v_g = v_g.reshape(t_blk, g, dv + 1)[inner]
-        g_bias = torch.zeros(b_, g, dtype=dtype, device=device).masked_fill(~valid[:, :g], NEG)
+        g_bias = torch.zeros(b_, g, dtype=dtype, device=device).masked_fill(~g_valid, NEG)
         blk.g_bias = g_bias[:, None, None].expand(*per_block).reshape(t_blk, 1, g)[inner]  # [T - 2, 1, g]
 
     bias, outside = _static_masks(c_blk, window, device, dtype)
@@ -703,19 +756,29 @@ def _noncausal_local(blk: _Blocks, i0: int, i1: int, bias: torch.Tensor, outside
 
 
 def _pair_sets(
-    rows: torch.Tensor, m_keys: int, window: int, global_tokens: int, causal: bool
+    rows: torch.Tensor,
+    m_keys: int,
+    window: int,
+    global_tokens: int,
+    causal: bool,
+    global_offset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(exact, feat)``, boolean ``[R, M]`` for the query positions ``rows [R]``: the pairs
     computed exactly (window and global tokens) and the other pairs the query may see (the
-    feature set; causal: keys at or before the query)."""
+    feature set; causal: keys at or before the query). With ``global_offset [B]`` (per-row
+    global tokens) ``[B, 1, R, M]``."""
     i = rows[:, None]
-    j = torch.arange(m_keys, device=rows.device)[None, :]
+    j = torch.arange(m_keys, device=rows.device)
+    is_global = _is_global(global_offset, global_tokens, j)  # [1 or B, M]
+    if global_offset is not None:
+        is_global = is_global[:, None, None, :]  # [B, 1, 1, M]
+    j = j[None, :]
     if causal:
         seen = j <= i
-        exact = seen & ((i - j < window) | (j < global_tokens))
+        exact = seen & ((i - j < window) | is_global)
     else:
         seen = torch.ones(i.shape[0], m_keys, dtype=torch.bool, device=rows.device)
-        exact = ((i - j).abs() <= window) | (j < global_tokens)
+        exact = ((i - j).abs() <= window) | is_global
     return exact, seen & ~exact
 
 
@@ -741,6 +804,7 @@ def window_attention_dense(
     global_tokens: int,
     causal: bool,
     key_padding_mask: torch.Tensor | None,
+    global_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`window_attention_blocked` for short inputs: the same rows from ``[N, M]``
     matrices (a few batched products and element-wise passes instead of some sixty
@@ -761,8 +825,12 @@ def window_attention_dense(
     """
     n, m_keys = q.shape[-2], k.shape[-2]
     device, dtype = q.device, q.dtype
-    exact, feat = _pair_sets(torch.arange(n, device=device), m_keys, window, global_tokens, causal)  # [N, M]
-    feat_key = torch.arange(m_keys, device=device) >= global_tokens  # [M]: keys that may enter through features
+    rows = torch.arange(n, device=device)
+    exact, feat = _pair_sets(rows, m_keys, window, global_tokens, causal, global_offset)  # [N, M] or [B, 1, N, M]
+    # keys that may enter through features: [M], or [B, M] with per-row global tokens
+    feat_key = ~_is_global(global_offset, global_tokens, torch.arange(m_keys, device=device))
+    if global_offset is None:
+        feat_key = feat_key[0]
     if key_padding_mask is not None:
         valid = ~key_padding_mask[:, None, None, :]  # [B, 1, 1, M]
         exact, feat = exact & valid, feat & valid  # [B, 1, N, M]
@@ -828,6 +896,7 @@ def window_weights_rows(
     global_tokens: int,
     causal: bool,
     key_padding_mask: torch.Tensor | None,
+    global_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The normalised weights ``[B, H, R, M]`` of the query positions ``rows`` alone.
 
@@ -849,13 +918,17 @@ def window_weights_rows(
         Features (log-features when ``log_space``) of those queries and of every key.
     rows : Tensor of int ``[R]``
         Query positions.
+    global_offset : Tensor ``[B]`` of int, optional
+        Per-row start of the global tokens, as in :func:`window_attention_blocked`.
 
     Returns
     -------
     Tensor ``[B, H, R, M]``; a row with no allowed key is zero.
     """
-    exact, feat = _pair_sets(rows.to(q_rows.device), k.shape[-2], window, global_tokens, causal)  # [R, M]
-    ex, fe = exact[None, None], feat[None, None]  # [1, 1, R, M]
+    exact, feat = _pair_sets(rows.to(q_rows.device), k.shape[-2], window, global_tokens, causal, global_offset)
+    if global_offset is None:
+        exact, feat = exact[None, None], feat[None, None]
+    ex, fe = exact, feat  # [1 or B, 1, R, M]
     if key_padding_mask is not None:
         valid = ~key_padding_mask[:, None, None, :]
         ex, fe = ex & valid, fe & valid
@@ -884,9 +957,9 @@ class WindowState:
     number of positions consumed.
 
     For the next position :math:`p` the exact set is the last ``w`` positions
-    (:math:`p - w < j \\le p`) and the first ``g`` (global tokens); every other earlier
-    position enters through the features, summed once and for all when it leaves the
-    window.
+    (:math:`p - w < j \\le p`) and the first ``g`` after the row's leading padding (global
+    tokens); every other earlier position enters through the features, summed once and for
+    all when it leaves the window.
 
     Attributes
     ----------
@@ -896,7 +969,8 @@ class WindowState:
     valid : Tensor ``[B, H, w]`` of bool
         Slots holding a key that may be attended (filled, not padded, finite, not global).
     sink_keys, sink_values, sink_valid : Tensor ``[B, H, g, .]``
-        The global tokens (positions ``< g``), exact for every later position.
+        The global tokens (positions ``lead .. lead + g - 1`` of each row), exact for every
+        later position.
     features : CausalState or None
         :math:`\\sum \\phi_k(k_j) v_j^\\top`, :math:`\\sum \\phi_k(k_j)` and the stabiliser of
         the positions ``g <= j <= p - w`` (:func:`~kernelattn_core.engine.torch_backend.absorb_keys`);
@@ -907,6 +981,11 @@ class WindowState:
         A non-finite key or value was consumed: every later row is NaN, as in the forward.
     owner : StateOwner, optional
         Set by :meth:`~kernelattn_hybrid.SlidingWindowAttention.step`.
+    lead : Tensor ``[B]`` of int64, optional
+        Each row's leading padding so far: the number of padded positions before its first
+        position that is not (``length`` while a row has been all padding, as a left-padded
+        prompt's row starts); its global tokens are the ``g`` positions from there. Set
+        once a padding mask has been given; ``None``: 0 for every row.
     """
 
     keys: torch.Tensor
@@ -919,6 +998,7 @@ class WindowState:
     length: int
     poisoned: torch.Tensor
     owner: Any = None
+    lead: torch.Tensor | None = None
 
 
 def empty_window_state(
@@ -971,9 +1051,10 @@ def window_step_finite(
     ----------
     state : WindowState
         Of ``p = state.length >= global_tokens`` positions (the new key goes to the ring
-        buffer, not to the global tokens); for ``p >= window`` with ``features`` (a
-        position has left the window) and ``p - window >= global_tokens`` (the leaving
-        position is not global).
+        buffer, not to the global tokens; with ``state.lead``, that ``p`` is past every
+        row's global tokens is part of the final check); for ``p >= window`` with
+        ``features`` (a position has left the window) and ``p - window >= global_tokens``
+        (the leaving position is not global).
     q, k, v, phi_q, key_features, log_space, window, global_tokens
         As :func:`window_step_one` (``window > 0``).
     """
@@ -1025,6 +1106,8 @@ def window_step_finite(
     ok = torch.isfinite(check) & (den.amin() > 0) & state.valid.all() & ~state.poisoned.any()
     if global_tokens:
         ok = ok & state.sink_valid.all()
+        if state.lead is not None:  # the new position is past every row's global tokens
+            ok = ok & (state.lead <= p - global_tokens).all()
     if not bool(ok):
         return None
     out = (num / den).reshape(b, h, 1, dv)
@@ -1039,6 +1122,7 @@ def window_step_finite(
         p + 1,
         state.poisoned,
         state.owner,
+        state.lead,
     )
     return out, new
 
@@ -1065,7 +1149,10 @@ def _filling_step(
     e = (s - s.amax(-1, keepdim=True)).exp_()  # the new key is valid: the largest logit is finite
     num = torch.bmm(e, ex_v.reshape(bh, -1, dv))  # [BH, 1, dv]
     den = e.sum(-1, keepdim=True)  # [BH, 1, 1], >= 1
-    if not bool(torch.isfinite(q.sum() + k.sum() + v.sum() + num.sum()) & ~state.poisoned.any()):
+    ok = torch.isfinite(q.sum() + k.sum() + v.sum() + num.sum()) & ~state.poisoned.any()
+    if global_tokens and state.lead is not None:  # the new position is past every row's global tokens
+        ok = ok & (state.lead <= state.length - global_tokens).all()
+    if not bool(ok):
         return None
     out = (num / den).reshape(b, h, 1, dv)
     new = WindowState(
@@ -1079,6 +1166,7 @@ def _filling_step(
         state.length + 1,
         state.poisoned,
         state.owner,
+        state.lead,
     )
     return out, new
 
@@ -1095,6 +1183,7 @@ def window_step_one(
     window: int,
     global_tokens: int,
     keep: torch.Tensor,
+    padded: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, WindowState]:
     """Causal sliding-window attention of one new position ``p = state.length``.
 
@@ -1113,6 +1202,10 @@ def window_step_one(
         leaves the window.
     keep : Tensor ``[B, H, 1]`` of bool
         Whether the new key may be attended (not padding, finite).
+    padded : Tensor ``[B]`` of bool, optional
+        The key padding mask of the new position: a padded position that follows only
+        padding extends its row's leading padding (``state.lead``), after which the row's
+        global tokens start.
 
     Returns
     -------
@@ -1130,8 +1223,21 @@ def window_step_one(
     features = state.features
     keys, values, valid = state.keys, state.values, state.valid
     sink_keys, sink_values, sink_valid = state.sink_keys, state.sink_values, state.sink_valid
+    lead = state.lead
+    if lead is None and padded is not None and p == 0:
+        lead = torch.zeros(padded.shape[0], dtype=torch.long, device=padded.device)
+    in_sink = None  # [B, g]: the sink slot that the new position fills, per row (None: slot p if p < g)
+    if lead is not None:  # per-row global tokens: the positions lead .. lead + g - 1
+        if padded is not None:
+            lead = torch.where(padded & (lead == p), lead + 1, lead)
+        in_sink = torch.arange(g, device=lead.device) == (p - lead)[:, None]  # [B, g]
+        is_global = in_sink.any(-1)[:, None, None]  # [B, 1, 1]
+    else:
+        is_global = p < g
     if window == 0:  # the new position is a feature key for itself
-        if p >= g:
+        if in_sink is not None:
+            features = absorb_keys(features, key_features(k), v, log_space=log_space, drop=~keep | is_global)
+        elif p >= g:
             features = absorb_keys(features, key_features(k), v, log_space=log_space, drop=~keep)
     else:
         slot = p % window
@@ -1142,8 +1248,13 @@ def window_step_one(
         keys, values, valid = keys.clone(), values.clone(), valid.clone()
         keys[:, :, slot : slot + 1] = k
         values[:, :, slot : slot + 1] = v
-        valid[:, :, slot : slot + 1] = keep & (p >= g)
-    if p < g:
+        valid[:, :, slot : slot + 1] = keep & ~is_global if in_sink is not None else keep & (p >= g)
+    if in_sink is not None:
+        if g:
+            sink_keys = torch.where(in_sink[:, None, :, None], k, sink_keys)  # [B, H, g, d]
+            sink_values = torch.where(in_sink[:, None, :, None], v, sink_values)
+            sink_valid = torch.where(in_sink[:, None, :], keep, sink_valid)
+    elif p < g:
         sink_keys, sink_values, sink_valid = sink_keys.clone(), sink_values.clone(), sink_valid.clone()
         sink_keys[:, :, p : p + 1] = k
         sink_values[:, :, p : p + 1] = v
@@ -1197,6 +1308,6 @@ def window_step_one(
     safe = torch.where(den > 0, den, torch.ones_like(den))
     out = torch.where(den > 0, num / safe, torch.zeros_like(num)).unsqueeze(-2)  # [B, H, 1, dv]
     new = WindowState(
-        keys, values, valid, sink_keys, sink_values, sink_valid, features, p + 1, state.poisoned, state.owner
+        keys, values, valid, sink_keys, sink_values, sink_valid, features, p + 1, state.poisoned, state.owner, lead
     )
     return out, new

@@ -146,9 +146,11 @@ def test_rows_sum_to_one(causal):
 
 
 def test_estimator_matches_naive_through_the_map():
+    from kernelattn_hybrid.naive import leading_padding
+
     est = _est(2, global_tokens=1, num_heads=3, activation="exp")
     q, k, v = _rand(2, 3, 21, 8, seed=6), _rand(2, 3, 21, 8, seed=7), _rand(2, 3, 21, 2, seed=8)
-    mask = _mask(21)
+    mask = _mask(21)  # row 1 starts with a padded key: its global token is key 1
     for causal in (False, True):
         out = est(q, k, v, causal=causal, key_padding_mask=mask)
         qs, ks = q / 8**0.25, k / 8**0.25
@@ -164,6 +166,7 @@ def test_estimator_matches_naive_through_the_map():
             global_tokens=1,
             causal=causal,
             key_padding_mask=mask,
+            global_offset=leading_padding(mask),
         )
         torch.testing.assert_close(out, ref, rtol=1e-11, atol=1e-12)
 

@@ -164,7 +164,7 @@ def test_a_padded_global_token_declines(taken: list[bool]) -> None:
     est = _est("hedgehog", 2, torch.float64)
     q, k, v = _inputs(torch.float64, seed=4)
     mask = torch.zeros(B, 10, dtype=torch.bool)
-    mask[0, 0] = True  # a padded global token: never attended
+    mask[0, 1] = True  # a padded global token (a hole: not leading padding, which moves the globals): never attended
     with torch.no_grad():
         _, state = est.step(q[:, :, :10], k[:, :, :10], v[:, :, :10], key_padding_mask=mask)
         assert not bool(state.sink_valid[0].all())
