@@ -158,7 +158,13 @@ def test_at002_consistency(reg) -> None:  # type: ignore[no-untyped-def]
     assert good.numbers["bias_detected_smallest_budget"] is True  # self-normalised: biased at D = 4
     assert good.numbers["budgets"] == [4, 8, 16, 32, 64]  # >= 4 budgets
     assert good.numbers["bias_slope"] < -0.4 and good.numbers["min_detectable_limit_bias"] < 0.025
-    assert _verdict(reg, "toy-ra", "AT002") == "pass"
+    assert good.numbers["slope_tested"] is True and "bias slope <= -0.5," in good.claim
+    unbiased = _results(reg, "toy-ra", "AT002")[0]
+    assert unbiased.verdict == "pass"
+    # no bias resolved at two budgets: the result says the slope was not tested (it said
+    # "bias slope <= -0.5" and passed with no slope fitted)
+    assert unbiased.numbers["slope_tested"] is False and unbiased.numbers["bias_slope"] is None
+    assert "bias slope not tested" in unbiased.claim and "bias slope <=" not in unbiased.claim
     bad = _results(reg, "not-consistent", "AT002")[0]
     assert bad.verdict == "fail" and "mse" in bad.numbers["failed"]
 

@@ -371,7 +371,9 @@ class ConsistentAttention(Claim):
       standard error by a delete-a-group jackknife) is fitted as
       :math:`\\log b_D = a + s \\log D` over the budgets where it is resolved; the claim
       fails when :math:`s` exceeds :math:`-\\text{order}` by more than the threshold times
-      its standard error (a bias that does not fall at the declared rate).
+      its standard error (a bias that does not fall at the declared rate). Where the bias
+      is resolved at fewer than two budgets there is no slope to fit: the result says
+      "bias slope not tested" (``slope_tested`` false) and the limit carries the claim.
     * **extrapolated limit.** Per output element, the mean output is fitted as
       :math:`\\bar y_D = L + c\\,D^{-\\text{order}}` (least squares weighted by the Monte
       Carlo variance of each budget's mean) and the limit bias :math:`L - y^\\star`

@@ -610,6 +610,7 @@ def check_consistent_attention(name: Any, claim: ConsistentAttention, level: str
         "bias_slope_se": None if slope_se is None else round(slope_se, 3),
         "max_slope": -claim.order,
         "slope_budgets_resolved": [budgets[i] for i in resolved],
+        "slope_tested": len(resolved) >= 2,
         **{f"bias_rms_D{b}": float(f"{math.sqrt(max(x, 0.0)):.3g}") for b, x in zip(budgets, bias2)},
         **{f"mse_D{b}": float(f"{e:.3g}") for b, e in zip(budgets, mse)},
         "mse_slope": round(mse_slope, 3),
@@ -631,11 +632,16 @@ def check_consistent_attention(name: Any, claim: ConsistentAttention, level: str
         if claim.biased_at_finite_budget is False
         else ""
     )
+    slope_text = (
+        f"bias slope <= {-claim.order:g}"
+        if len(resolved) >= 2
+        else f"bias slope not tested (a bias resolved at {len(resolved)} of {len(budgets)} budgets: no slope to fit)"
+    )
     return CheckResult(
         ConsistentAttention.rule,
         claim=(
-            f"limit of E[output] over D in {list(budgets)} == softmax attention, "
-            f"bias slope <= {-claim.order:g}, MSE falls{statement}"
+            f"limit of E[output] over D in {list(budgets)} == softmax attention, {slope_text}, "
+            f"MSE falls (log-log slope < 0, largest budget <= half the smallest's){statement}"
         ),
         numbers=numbers,
         verdict=verdict(ok),
