@@ -133,16 +133,18 @@ def theorem3_counterexample(
     convex combination of ones). Right: :math:`\\frac1t\\,[\\mathrm{Softmax}(QK^\\top/\\sqrt d)
     \\mathbf 1]^{1/r} = \\mathrm{Softmax}(\\mu_Q K^\\top/\\sqrt d)^{-1/r}` with
     :math:`r = \\|Q\\|_2\\|K\\|_2\\sqrt{(\\sigma_Q + \\varepsilon)(\\sigma_K + \\varepsilon)}`
-    (the spec's definitions). Returns ``(left [N], right [N], r)``; the right side's
-    entries exceed 1 whenever :math:`N \\ge 2`, so the "theorem" is no identity.
+    and the pre-scaling :math:`(Q - \\mu_Q)/\\sqrt{\\sigma_Q + \\varepsilon}` (the spec's
+    definitions, spec 001 §3.1: :math:`\\sigma` is a **variance**). Returns ``(left [N],
+    right [N], r)``; the right side's entries exceed 1 whenever :math:`N \\ge 2`, so the
+    "theorem" is no identity.
     """
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(seq_len, dim, generator=g, dtype=torch.float64)
     k = torch.randn(seq_len, dim, generator=g, dtype=torch.float64)
     v = torch.ones(seq_len, 1, dtype=torch.float64)
-    mu_q, sigma_q = q.mean(), q.std()
-    mu_k, sigma_k = k.mean(), k.std()
-    qs, ks = (q - mu_q) / (sigma_q + eps), (k - mu_k) / (sigma_k + eps)
+    mu_q, sigma_q = q.mean(), q.var()  # variances, as the spec defines sigma
+    mu_k, sigma_k = k.mean(), k.var()
+    qs, ks = (q - mu_q) / (sigma_q + eps).sqrt(), (k - mu_k) / (sigma_k + eps).sqrt()
     left = (torch.softmax(qs @ ks.T / math.sqrt(dim), dim=-1) @ v).squeeze(-1)  # [N]
     r = float(torch.linalg.matrix_norm(q, ord=2) * torch.linalg.matrix_norm(k, ord=2)) * math.sqrt(
         float((sigma_q + eps) * (sigma_k + eps))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from kernelattn_maclaurin.theory import (
     premise_violation_rate,
     required_features,
@@ -64,6 +65,15 @@ def test_d3_theorem3_is_not_an_identity() -> None:
     assert left.tolist() == pytest.approx([1.0] * 5, abs=1e-15)  # convex combination of ones
     assert r > 1
     assert bool((right > 1.01).all())  # every entry of the "restored" side is off by more than 1 %
+    # spec 001 §3.1: sigma is a variance (pre-SBN divides by sqrt(sigma + eps)); with
+    # standard deviations r was 14.04, not the spec's 15.08
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    k = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    expected = float(torch.linalg.matrix_norm(q, ord=2) * torch.linalg.matrix_norm(k, ord=2)) * math.sqrt(
+        float(q.var() * k.var())
+    )
+    assert r == pytest.approx(expected, rel=1e-9)
 
 
 @pytest.mark.slow
