@@ -12,13 +12,16 @@ packed passages of 128 and 512 tokens (the headline: 512-token passages), with
 nearest-neighbour agreement and the Spearman correlation of the similarity matrices.
 
 A local decoder checkpoint (GPT-2, Llama, Mistral, Qwen2, ...: its ``config.json`` names
-a ``...ForCausalLM`` / ``...LMHeadModel`` architecture) is converted and fitted the same
-way (stage 1) and reported by held-out perplexity of the original and the converted model
-on each evaluation text (:mod:`kernelattn_core.cli.convert_decoder`); ``--save DIR``
-then writes ``save_pretrained`` output that ``kernelattn_core.convert.from_pretrained``
-reloads. The sentence-embedding options (``--sentences``, ``--passages``,
-``--allocate*``, ``--e2e-weight``, ``--e2e-length``, ``--e2e-batch``) are for encoders
-and refused for a decoder.
+a ``...ForCausalLM`` / ``...LMHeadModel`` architecture) is converted and fitted in the
+same two stages: (1) every layer to the original softmax attention (``--steps``); (2) the
+whole model end to end on the original's next-token distribution (``--e2e-steps``,
+optionally with low-rank adapters, ``--lora-rank``; early-stopped on the last tenth of
+the fitting text). It is reported by held-out perplexity of the original and the
+converted model on each evaluation text (:mod:`kernelattn_core.cli.convert_decoder`);
+``--save DIR`` then writes ``save_pretrained`` output that
+``kernelattn_core.convert.from_pretrained`` reloads. The sentence-embedding options
+(``--sentences``, ``--passages``, ``--allocate*``, ``--e2e-weight``, ``--e2e-length``,
+``--e2e-batch``) are for encoders and refused for a decoder.
 """
 
 from __future__ import annotations

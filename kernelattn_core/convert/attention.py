@@ -131,6 +131,8 @@ def convert_attention(
             "a Hugging Face BERT/RoBERTa/DistilBERT self-attention or a Hugging Face decoder attention that "
             "dispatches through transformers' attention interface)"
         )
+    for name, module in targets:
+        _refuse_meta(name, module)
     decoders = False
     for index, (name, module) in enumerate(targets):
         _check_head_dim(name, module, options)
@@ -175,6 +177,20 @@ def _check_options(estimator: object, options: dict[str, Any]) -> None:
         check_bool("causal", options["causal"])
     if "head_dim" in options:
         check_positive_int("head_dim", options["head_dim"])
+
+
+def _refuse_meta(name: str, module: nn.Module) -> None:
+    """Refuse an attention module whose parameters or buffers are on the meta device: the
+    estimator would be built there, and its random draws and learned parameters are not in
+    the original's state dict, so ``to_empty()`` then ``load_state_dict(strict=False)``
+    leave them uninitialised memory (NaN logits, or wrong ones with no error)."""
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        raise InputError(
+            f"model: the parameters of {type(module).__name__} ({name!r}) are on the meta device (a skeleton built "
+            "under torch.device('meta') or init_empty_weights, or weights offloaded by a device_map); the "
+            "estimator's draws and parameters would be made there and no weight loading initialises them: convert "
+            "after loading the real weights (expected parameters on a real device, got meta)"
+        )
 
 
 def _check_head_dim(name: str, module: nn.Module, options: dict[str, Any]) -> None:

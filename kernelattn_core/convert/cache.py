@@ -36,13 +36,26 @@ from ..errors import InputError
 from ..interfaces.state import StateOwner
 from ..module import KVCache, _check_cache
 
+#: the refusal of an attention that is not the converted one updating a state layer
+FOREIGN_ATTENTION = (
+    "past_key_values: this cache holds a kernelized model's recurrent state (KernelStateLayer: the estimator's "
+    "running sums, not the keys and values), which cannot serve softmax attention: an attention that is not the "
+    "converted one (the original model, or another) is updating it and would attend the new positions alone; "
+    "continue the cache with the converted model that made it, or give the other model a cache of its own "
+    "(expected a cache of keys and values, got a KernelStateLayer)"
+)
+
 
 class KernelStateLayer(CacheLayerMixin):
     """One layer's decoding state: what its estimator's ``step`` returned.
 
     ``update`` (called by the attention module with the new keys and values) only counts
     the positions and hands the new keys and values back, so the attention function sees
-    ``N == M`` new positions and continues :attr:`state` with them (:meth:`attend`).
+    ``N == M`` new positions and continues :attr:`state` with them (:meth:`attend`). It
+    serves a converted layer only: :func:`state_layer` arms the layer right before the
+    converted attention's call, and ``update`` disarms it; an update that was not armed
+    (the original, softmax model given a converted model's cache would attend the new
+    positions alone) is refused.
 
     Attributes
     ----------
@@ -52,6 +65,9 @@ class KernelStateLayer(CacheLayerMixin):
         ``None`` before the first call.
     length : int
         Positions consumed (padding included), what ``get_seq_length`` reports.
+    armed : bool
+        Whether a converted attention is about to update the layer (set by
+        :func:`state_layer`, cleared by :meth:`update` and when that call ends).
     """
 
     is_sliding = False
@@ -62,6 +78,7 @@ class KernelStateLayer(CacheLayerMixin):
         super().__init__()
         self.state: Any = None
         self.length = 0
+        self.armed = False
 
     def __repr__(self) -> str:
         kind = type(self.state).__name__ if self.state is not None else "empty"
@@ -75,7 +92,17 @@ class KernelStateLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Count the new positions and return the new keys and values themselves (the
-        state is continued by :meth:`attend`, which needs the queries too)."""
+        state is continued by :meth:`attend`, which needs the queries too).
+
+        Raises
+        ------
+        InputError
+            When the layer was not armed by :func:`state_layer`: the attention updating it
+            is not a converted one and would attend the new positions alone.
+        """
+        if not getattr(self, "armed", False):
+            raise InputError(FOREIGN_ATTENTION)
+        self.armed = False
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.length += key_states.shape[-2]
@@ -199,7 +226,9 @@ def state_layer(cache: Any, layer_idx: int) -> KernelStateLayer:
     A :class:`KernelCache` has one; in any other ``transformers`` cache an *empty*
     ``DynamicLayer`` (what ``generate()`` and ``use_cache=True`` make) is replaced by one.
     A layer that already holds keys and values (the cache of an unconverted model) or of
-    another kind (static, quantized, offloaded) is refused.
+    another kind (static, quantized, offloaded) is refused. The layer returned is armed
+    for one ``update`` (:class:`KernelStateLayer`): call this right before the converted
+    attention updates the cache.
     """
     if isinstance(cache, EncoderDecoderCache):
         cache = cache.self_attention_cache
@@ -217,12 +246,11 @@ def state_layer(cache: Any, layer_idx: int) -> KernelStateLayer:
     if layer_idx >= len(layers):
         raise InputError(f"cache: holds {len(layers)} layers, the model called layer {layer_idx}")
     layer = layers[layer_idx]
-    if isinstance(layer, KernelStateLayer):
-        return layer
     if isinstance(layer, DynamicLayer) and not layer.is_initialized:
-        fresh = KernelStateLayer()
-        layers[layer_idx] = fresh
-        return fresh
+        layer = layers[layer_idx] = KernelStateLayer()
+    if isinstance(layer, KernelStateLayer):
+        layer.armed = True
+        return layer
     what = "holds keys and values already" if isinstance(layer, DynamicLayer) else f"is a {type(layer).__name__}"
     raise InputError(
         f"cache: layer {layer_idx} of the {type(cache).__name__} {what}; a converted layer decodes on its "

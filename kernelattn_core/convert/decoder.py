@@ -100,14 +100,35 @@ def is_hf_decoder_attention(name: str, module: nn.Module) -> bool:
     return hasattr(module, "config") and _calls_attention_interface(cls)
 
 
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def decoder_shape(module: nn.Module) -> tuple[int, int]:
-    """``(head_dim, num_heads)`` of a decoder attention module."""
+    """``(head_dim, num_heads)`` of a decoder attention module.
+
+    The head width is the module's ``head_dim`` (Llama, GPT-2, ...) or ``head_size``
+    (GPT-NeoX), else the config's ``head_dim``, else ``hidden_size / num_attention_heads``
+    where that divides evenly.
+
+    Raises
+    ------
+    InputError
+        When neither the number of heads nor the head width can be told.
+    """
     config = module.config
-    heads = getattr(config, "num_attention_heads", None) or getattr(module, "num_heads", None)
-    head_dim = getattr(module, "head_dim", None)
-    if not isinstance(heads, int) or not isinstance(head_dim, int):
+    heads = _int(getattr(config, "num_attention_heads", None)) or _int(getattr(module, "num_heads", None))
+    head_dim = _int(getattr(module, "head_dim", None)) or _int(getattr(module, "head_size", None))
+    if head_dim is None:
+        head_dim = _int(getattr(config, "head_dim", None))
+    hidden = _int(getattr(config, "hidden_size", None))
+    if head_dim is None and heads is not None and hidden is not None and hidden % heads == 0:
+        head_dim = hidden // heads
+    if heads is None or head_dim is None:
         raise InputError(
-            f"model: cannot tell the heads of {type(module).__name__} (head_dim={head_dim}, heads={heads})"
+            f"model: cannot tell the heads of {type(module).__name__} (expected a positive int "
+            "config.num_attention_heads and a head width: the module's head_dim or head_size, config.head_dim or "
+            f"config.hidden_size divisible by the heads; got heads={heads}, head_dim={head_dim}, hidden_size={hidden})"
         )
     return head_dim, heads
 
@@ -155,7 +176,9 @@ class KernelDecoderAttention(nn.Module):
     estimator added as ``estimator``. Its ``forward`` is the original one (projections,
     rotary embedding, cache update, then ``ALL_ATTENTION_FUNCTIONS["kernelattn"]``, i.e.
     :func:`kernel_attention_forward`); it only finds the layer's decoding state in the
-    cache it is given first (:func:`~kernelattn_core.convert.cache.state_layer`).
+    cache it is given first (:func:`~kernelattn_core.convert.cache.state_layer`, which arms
+    that state layer for this call's cache update only: another attention updating it is
+    refused).
 
     Attributes
     ----------
@@ -182,6 +205,8 @@ class KernelDecoderAttention(nn.Module):
             return super().forward(*args, **kwargs)
         finally:
             self.__dict__["_kernel_call"] = saved
+            if layer is not None:  # armed by state_layer for this call's update only
+                layer.armed = False
 
     def attention_inputs(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """``q, k, v [B, H, N, d]`` (rotary embedding applied, key/value heads repeated),
@@ -304,9 +329,20 @@ def _check_scaling(estimator: nn.Module, scaling: Any, d: int) -> None:
 
 
 #: arguments of the attention function that need nothing from it: positions (the rotary
-#: embedding is applied by the module), cache flags, and the sliding window, which the
-#: mask function refuses where it binds (:func:`kernel_mask`)
-_HARMLESS = ("position_ids", "cache_position", "use_cache", "sliding_window", "output_hidden_states", "return_dict")
+#: embedding is applied by the module), cache and output flags, the sliding window, which
+#: the mask function refuses where it binds (:func:`kernel_mask`), and the router flag of
+#: mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, PhiMoE, GraniteMoE,
+#: JetMoE, MiniMax, ERNIE 4.5 MoE pass ``output_router_logits`` down to every attention
+#: call; it only asks the experts' routers for their logits)
+_HARMLESS = (
+    "position_ids",
+    "cache_position",
+    "use_cache",
+    "sliding_window",
+    "output_hidden_states",
+    "return_dict",
+    "output_router_logits",
+)
 
 
 def _check_arguments(module: nn.Module, kwargs: dict[str, Any]) -> None:
@@ -337,6 +373,15 @@ def _check_arguments(module: nn.Module, kwargs: dict[str, Any]) -> None:
         )
 
 
+#: the refusal of a bidirectional mask on a call that continues a decoding state
+BIDIRECTIONAL_WITH_STATE = (
+    "attention_mask: this call's mask is bidirectional (every query attends every key), but the converted layer "
+    "continues a decoding state, which is causal only: the model was given a cache (cache= or past_key_values=), "
+    "or none was passed and use_cache defaults to True, so transformers made one; pass use_cache=False to attend "
+    "bidirectionally without a state, or a causal mask to decode"
+)
+
+
 def kernel_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -354,7 +399,9 @@ def kernel_attention_forward(
 
     Causal with the key padding of ``attention_mask`` (:func:`kernel_mask`); with a
     decoding state (the module was given a cache), the state is continued with the new
-    positions. Attention-probability ``dropout`` is not applied.
+    positions, and a bidirectional mask over more than one new position is refused
+    (``use_cache=False`` runs it without a state). Attention-probability ``dropout`` is
+    not applied.
     """
     estimator = getattr(module, "estimator", None)
     if not isinstance(module, KernelDecoderAttention) or not isinstance(estimator, nn.Module):
@@ -382,8 +429,8 @@ def kernel_attention_forward(
         return query.new_zeros(b, n, h, v.shape[-1]), None
     k, v = zero_padded(k, v, kpm)
     if call.layer is not None:
-        if not causal:
-            raise InputError("attention_mask: decoding with a state is causal; this call is bidirectional")
+        if not causal and n > 1:  # one new query attends every key so far either way
+            raise InputError(BIDIRECTIONAL_WITH_STATE)
         out = call.layer.attend(estimator, query, k, v, kpm)  # [B, H, N, d]
     else:
         out = estimator(query, k, v, causal=causal, key_padding_mask=kpm)  # [B, H, N, d]
@@ -479,7 +526,15 @@ def register() -> None:
 # ---------------------------------------------------------------------- conversion
 def convert_decoder_module(module: nn.Module, estimator: str, **options: Any) -> KernelDecoderAttention:
     """Convert a decoder attention module in place (the caller owns a copy): its class is
-    swapped for the converted class and the layer's estimator is added."""
+    swapped for the converted class and the layer's estimator is added.
+
+    Raises
+    ------
+    InputError
+        When the module cannot be kernelized (:func:`_refuse_module`), its heads cannot be
+        told (a model on the meta device is refused before, by
+        :func:`~kernelattn_core.convert.convert_attention`).
+    """
     head_dim, heads = decoder_shape(module)
     _refuse_module(module)
     options = dict(options)
