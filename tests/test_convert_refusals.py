@@ -207,6 +207,17 @@ def test_arguments_passed_by_position_are_read_by_their_names() -> None:
         layer(x, None, None, None)
 
 
+def test_bert_decoder_refuses_a_bidirectional_mask_with_a_state_naming_use_cache() -> None:
+    """The encoder wrapper's cached path refuses a bidirectional 4-D mask with the same
+    message as the converted decoders (it said only "decoding with a state is causal")."""
+    converted = convert_attention(_bert_decoder(), "softmax")
+    layer = converted_modules(converted)[0][1]
+    x = torch.randn(1, 3, 16, dtype=torch.float64)
+    both_ways = torch.zeros(1, 1, 3, 3, dtype=torch.float64)  # every query attends every key
+    with pytest.raises(ka.InputError, match=r"^attention_mask: this call's mask is bidirectional.*use_cache=False"):
+        layer(x, both_ways, transformers.DynamicCache())
+
+
 # ---------------------------------------------------------------------- 4. soft-capping and attention sinks
 def test_gemma2_logit_softcapping_is_refused_at_conversion_and_at_call_time() -> None:
     capped = transformers.Gemma2Config(**DECODER, query_pre_attn_scalar=16, sliding_window=64)

@@ -68,7 +68,7 @@ from torch import nn
 
 from ..errors import InputError
 from ..module import build_estimator, zero_padded
-from .hf import CACHE_ARGS, NO_WEIGHTS, forward_source, masks_from_hf
+from .hf import BIDIRECTIONAL_WITH_STATE, CACHE_ARGS, NO_WEIGHTS, forward_source, masks_from_hf
 
 #: the name under which the attention and mask functions are registered in transformers
 IMPLEMENTATION = "kernelattn"
@@ -374,14 +374,6 @@ def _check_arguments(module: nn.Module, kwargs: dict[str, Any]) -> None:
 
 
 #: the refusal of a bidirectional mask on a call that continues a decoding state
-BIDIRECTIONAL_WITH_STATE = (
-    "attention_mask: this call's mask is bidirectional (every query attends every key), but the converted layer "
-    "continues a decoding state, which is causal only: the model was given a cache (cache= or past_key_values=), "
-    "or none was passed and use_cache defaults to True, so transformers made one; pass use_cache=False to attend "
-    "bidirectionally without a state, or a causal mask to decode"
-)
-
-
 def kernel_attention_forward(
     module: nn.Module,
     query: torch.Tensor,

@@ -178,6 +178,16 @@ def unconvertible(module: nn.Module) -> str:
     return ""
 
 
+#: the refusal of a bidirectional mask on a call that continues a decoding state (encoder
+#: wrapper and converted decoders alike)
+BIDIRECTIONAL_WITH_STATE = (
+    "attention_mask: this call's mask is bidirectional (every query attends every key), but the converted layer "
+    "continues a decoding state, which is causal only: the model was given a cache (cache= or past_key_values=), "
+    "or none was passed and use_cache defaults to True, so transformers made one; pass use_cache=False to attend "
+    "bidirectionally without a state, or a causal mask to decode"
+)
+
+
 @functools.cache
 def _forward_parameters(cls: type) -> tuple[str, ...]:
     """The named parameters of ``cls.forward`` after ``self`` (no ``*args``/``**kwargs``)."""
@@ -410,7 +420,7 @@ class HFKernelSelfAttention(nn.Module):
         kpm, causal = masks_from_hf(attention_mask, b, n, n)
         rows = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and attention_mask.shape[-2] > 1
         if n > 1 and rows and not causal:
-            raise InputError("attention_mask: decoding with a state is causal; this call's mask is bidirectional")
+            raise InputError(BIDIRECTIONAL_WITH_STATE)
         if kpm is not None:
             hidden_states = hidden_states.masked_fill(kpm[:, :, None], 0.0)
         q, k, v = self._project(hidden_states)
