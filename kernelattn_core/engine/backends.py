@@ -226,7 +226,7 @@ def select_backend(problem: Problem, prefer: str | None = None) -> Backend:
         # availability probing (imports) and no custom autograd function in the graph
         return _BACKENDS["torch"]
     if prefer is not None:
-        if prefer not in _BACKENDS:
+        if not isinstance(prefer, str) or prefer not in _BACKENDS:  # a list or dict: not hashable
             raise InputError(f"backend: expected one of {sorted(_BACKENDS)}, got {prefer!r}")
         chosen = _BACKENDS[prefer]
         needs = f" (it needs {chosen.requirement})" if chosen.requirement else ""

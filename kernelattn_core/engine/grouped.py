@@ -568,6 +568,24 @@ def _bad_output_rows(num: torch.Tensor, den: torch.Tensor, g0: int, g1: int) -> 
     return bad if bool(bad.any()) else None
 
 
+def _probe(fm: Any, q: torch.Tensor) -> None:
+    """The map's features of no position of ``q``: builds an unbuilt map and runs its
+    checks of ``q``'s shape without computing anything. A refusal that names the empty
+    slice (``x``, shape ``[B, H, 0, d]``) is re-raised naming the caller's ``q`` and its
+    shape (a map built for another ``num_heads``)."""
+    empty = q[:, :, :0]
+    try:
+        fm.raw_features(empty, query=True)
+    except InputError as err:
+        msg, shown = str(err), str(tuple(empty.shape))
+        if shown not in msg:
+            raise
+        msg = msg.replace(shown, str(tuple(q.shape)))
+        if msg.startswith("x: "):
+            msg = "q: " + msg[3:]
+        raise type(err)(msg) from None
+
+
 def grouped_feature_attention(
     feature_map: Any,
     q: torch.Tensor,
@@ -624,7 +642,7 @@ def grouped_feature_attention(
     fm = feature_map
     if fm.built:  # named with q's own shape, not the empty slice's below
         check_head_dim("q", q, fm.head_dim)
-    fm.raw_features(q[:, :, :0], query=True)  # builds an unbuilt map, checks d (naming q)
+    _probe(fm, q)  # builds an unbuilt map, checks d (naming q)
     chunk = chunk_size or DEFAULT_CHUNK
     dtype = compute_dtype(q.dtype)
     b, h = q.shape[:2]

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -58,6 +58,30 @@ class FusedFeatureSpec:
     phase: torch.Tensor | None = None
 
 
+class _Unbuilt:
+    """What an unbuilt :class:`FeatureMap` holds (its attributes and the contents of its
+    parameter, buffer and submodule tables), to undo a build that raised."""
+
+    _TABLES = ("_parameters", "_buffers", "_modules")
+
+    def __init__(self, fm: nn.Module) -> None:
+        self.attrs = dict(fm.__dict__)
+        self.tables = {t: dict(getattr(fm, t)) for t in self._TABLES}
+        self.non_persistent = set(fm._non_persistent_buffers_set)
+
+    def restore(self, fm: nn.Module) -> None:
+        fm.__dict__.clear()
+        fm.__dict__.update(self.attrs)
+        for t, entries in self.tables.items():
+            table = getattr(fm, t)
+            table.clear()
+            table.update(entries)
+        fm._non_persistent_buffers_set.clear()
+        fm._non_persistent_buffers_set.update(self.non_persistent)
+        with torch.no_grad():
+            fm._built_head_dim.fill_(-1)
+
+
 class FeatureMap(nn.Module, ABC):
     """Abstract feature map :math:`\\phi: \\mathbb{R}^d \\to \\mathbb{R}^D`.
 
@@ -79,7 +103,10 @@ class FeatureMap(nn.Module, ABC):
     projection draw) must not exceed
     :data:`~kernelattn_core.validation.MAX_DRAW_ELEMENTS` (:math:`2^{28}` values, 2 GiB in
     float64); a larger budget is refused with :class:`~kernelattn_core.errors.InputError`
-    giving the size it would need, instead of reaching the allocator.
+    giving the size it would need, instead of reaching the allocator. A map whose
+    :meth:`_build` allocates more than that (a ``[C, d, d]`` parameter, a network's
+    hidden layers) lists its tensors in :meth:`_build_budget`; they are held to the same
+    bound before :meth:`_build` runs.
 
     Subclasses implement :meth:`_build` (allocate parameters and buffers),
     :meth:`_redraw` (fill the random buffers), :meth:`_feature_dim` and
@@ -172,18 +199,31 @@ class FeatureMap(nn.Module, ABC):
         return self.head_dim is not None
 
     def build(self, head_dim: int, *, generator: torch.Generator | None = None) -> None:
-        """Complete the map for head dimension ``head_dim`` and make the first draw."""
+        """Complete the map for head dimension ``head_dim`` and make the first draw.
+
+        A build that raises (a ``_build`` or first draw refusing ``head_dim``) leaves
+        the map as it was, unbuilt: the attributes, parameters, buffers and submodules
+        it had set are removed, so the same call raises the same error again and
+        another ``head_dim`` may build afterwards.
+        """
         check_positive_int("head_dim", head_dim)
         if not self.built:  # the draws are about num_features x head_dim values (a projection matrix)
             check_budget("num_features", self.num_features, head_dim, "head_dim")
+            for name, value, per_unit, what in self._build_budget(head_dim):  # larger tensors of _build
+                check_budget(name, value, per_unit, what)
         if self.built:
             if head_dim != self.head_dim:
                 raise InputError(f"head_dim: {self.name!r} was built for d = {self.head_dim}, got d = {head_dim}")
             return
-        self.head_dim = head_dim
-        self._built_head_dim.fill_(head_dim)
-        self._build(head_dim)
-        self.redraw(generator=generator)
+        saved = _Unbuilt(self)
+        try:
+            self.head_dim = head_dim
+            self._built_head_dim.fill_(head_dim)
+            self._build(head_dim)
+            self.redraw(generator=generator)
+        except BaseException:
+            saved.restore(self)
+            raise
 
     def redraw(self, *, generator: torch.Generator | None = None) -> None:
         """Draw fresh random features (no-op for deterministic maps).
@@ -202,6 +242,15 @@ class FeatureMap(nn.Module, ABC):
 
     def _build(self, head_dim: int) -> None:
         """Allocate parameters and buffers for head dimension ``head_dim``."""
+
+    def _build_budget(self, head_dim: int) -> Iterable[tuple[str, int, int, str]]:
+        """The tensors :meth:`_build` (and the first draw) would allocate beyond
+        ``num_features × head_dim`` values, as ``(name, value, per_unit, what)``: the
+        argument that sets the size, its value, the values per unit of it and what that
+        factor is, for the message. :meth:`build` refuses, before :meth:`_build` runs, a
+        tensor of ``value × per_unit`` values over
+        :data:`~kernelattn_core.validation.MAX_DRAW_ELEMENTS`. The default lists nothing."""
+        return ()
 
     def _redraw(self, generator: torch.Generator | None) -> None:
         """Fill the random buffers (called under ``torch.no_grad``)."""

@@ -400,7 +400,8 @@ class RFAGateAttention(AttentionEstimator):
         if redraw:
             self.redraw_policy.before_forward(fm, self.training)
         fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=True)
-        phi_q, phi_k = fm.query(q).to(work), fm.key(k).to(work)  # [B, H, N, 2m]
+        # raw features (query(q) without the cast): a refusal names q or k, not x
+        phi_q, phi_k = fm.raw_features(q, query=True).to(work), fm.raw_features(k, query=False).to(work)
         bad_k = non_finite_rows(k)  # [B, H, N]: the gate never sees them (its parameters' gradients stay finite)
         if bad_k is None:
             log_g = self.gate(k)  # [B, H, N]

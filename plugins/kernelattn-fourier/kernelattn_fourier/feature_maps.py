@@ -16,12 +16,14 @@ from torch import nn
 
 from kernelattn_core import FeatureMap, InputError
 from kernelattn_core.toolkit import (
+    DomainError,
     ErrorDecay,
     EstimateVariance,
     FusedFeatureSpec,
     PositiveFeatures,
     SymbolicExpectation,
     UnbiasedKernelEstimate,
+    finite_rows,
 )
 
 from . import claims as C
@@ -270,9 +272,15 @@ class TrigSoftmaxFeatures(_TrigBase):
     between numerator and denominator, and kept in it would overflow their product in
     float32 at :math:`\\|q\\|^2/2 + \\|k\\|^2/2 > 88`. Attention is therefore finite, with
     finite gradients, up to a key bound :math:`\\|k\\|^2/2 \\lesssim 80` in the scaled
-    coordinates (:math:`\\|k\\| \\le 12`; half inputs are computed in float32); the
-    explicit :meth:`query` / :meth:`key` maps still overflow float32 at
-    :math:`\\|x\\|^2/2 > 88`.
+    coordinates (:math:`\\|k\\| \\le 12`; half inputs are computed in float32). A key
+    past the overflow bound of the key factor, :math:`\\|k\\|^2/2 > \\log` of the
+    dtype's largest value (:math:`\\|k\\| > 13.3` in float32, :math:`37.7` in float64),
+    raises :class:`~kernelattn_core.errors.DomainError` in non-causal attention
+    (:meth:`prepare`), naming the bound; padded keys and non-finite rows are left out
+    (they are never seen or are quarantined). Causal attention keeps the rows before
+    such a key (they must not depend on later positions) and gives NaN rows from it on,
+    as for a NaN input. The explicit :meth:`query` / :meth:`key` maps still give a NaN row at
+    :math:`\\|x\\|^2/2 > 88` in float32.
     """
 
     name: ClassVar[str] = "trig-softmax-features"
@@ -313,6 +321,41 @@ class TrigSoftmaxFeatures(_TrigBase):
         scale = torch.exp(half.masked_fill(over, 0.0)) / math.sqrt(self.num_features)
         nan_rows = torch.zeros_like(half).masked_fill_(over, float("nan"))  # [..., 1], no gradient
         return torch.addcmul(nan_rows, torch.cat([u.sin(), u.cos()], dim=-1), scale)  # [..., 2m]
+
+    def prepare(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+        causal: bool = False,
+    ) -> None:
+        """Non-causal calls: raise :class:`~kernelattn_core.errors.DomainError` when an
+        unpadded key has a factor :math:`e^{\\|k\\|^2/2}` that overflows the compute
+        dtype (its feature row would be NaN, and so every output row). Padded keys, rows
+        holding NaN or inf (quarantined by attention) and calls without queries are left
+        out. Causal calls (and decoding steps) are not refused: the rows before the first
+        such key are finite and must not depend on later positions, and the rows from it
+        on are NaN, as after a NaN input. While Dynamo traces, nothing is read back (the
+        NaN rows remain). Nothing is learned from the data."""
+        if causal or q.shape[-2] == 0 or k.numel() == 0 or torch.compiler.is_compiling():
+            return
+        with torch.no_grad():
+            x = k.detach()
+            x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+            half = 0.5 * (x * x).sum(-1)  # [B, H, M], as _features computes it
+            seen = finite_rows(x)
+            if key_padding_mask is not None:
+                seen = seen & ~key_padding_mask[:, None, :]
+            limit = math.log(torch.finfo(x.dtype).max)
+            worst = float(torch.where(seen, half, torch.zeros_like(half)).max())
+        if worst > limit:
+            bound = math.sqrt(2.0 * limit)
+            raise DomainError(
+                f"k: {self.name!r} needs scaled key norms ||k|| <= {bound:.4g} in {str(x.dtype).replace('torch.', '')} "
+                f"(the key factor e^(||k||^2/2) overflows past it), got max ||k|| = {math.sqrt(2.0 * worst):.4g} "
+                "(after the estimator's scaling, d^(-1/4) by default); normalise the keys or lower scale"
+            )
 
     def raw_features(self, x: torch.Tensor, *, query: bool) -> torch.Tensor:
         """What attention consumes, ``[..., d]`` to ``[..., 2m]``: :math:`\\phi_k(x)` for keys,
@@ -418,8 +461,13 @@ class RFAFeatures(_TrigBase):
     ) -> None:
         if num_heads is not None and (isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1):
             raise InputError(f"num_heads: expected a positive integer or None, got {num_heads!r}")
-        if isinstance(init_scale, bool) or not isinstance(init_scale, int | float) or not init_scale > 0:
-            raise InputError(f"init_scale: expected a positive number, got {init_scale!r}")
+        if (
+            isinstance(init_scale, bool)
+            or not isinstance(init_scale, int | float)
+            or not math.isfinite(init_scale)
+            or not init_scale > 0
+        ):
+            raise InputError(f"init_scale: expected a finite number > 0, got {init_scale!r}")
         learn_scale = _check_bool("learn_scale", learn_scale)
         orthogonal = _check_bool("orthogonal", orthogonal)
         super().__init__(None, num_features, generator=generator)
@@ -439,12 +487,20 @@ class RFAFeatures(_TrigBase):
         """:math:`\\sigma_h = e^{s_h}`, ``[H]`` or ``[1]``."""
         return self.log_scale.exp()
 
-    def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+    def _check_heads(self, x: torch.Tensor, arg: str) -> None:
         if self.num_heads is not None and (x.dim() < 3 or x.shape[-3] != self.num_heads):
             raise InputError(
-                f"x: rfa-features was built with num_heads = {self.num_heads} and expects inputs [..., H, N, d] "
+                f"{arg}: rfa-features was built with num_heads = {self.num_heads} and expects inputs [..., H, N, d] "
                 f"with H = {self.num_heads}, got shape {tuple(x.shape)}"
             )
+
+    def _checked(self, x: torch.Tensor, arg: str) -> torch.Tensor:
+        x = super()._checked(x, arg)
+        self._check_heads(x, arg)  # naming the caller's argument (q, k or x) and shape
+        return x
+
+    def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        self._check_heads(x, "x")
         norm = x.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)  # [..., 1]
         u = self._projection(x / norm)  # [..., m]
         inv = (-self.log_scale).exp().to(dtype=x.dtype, device=x.device)  # [H] or [1]

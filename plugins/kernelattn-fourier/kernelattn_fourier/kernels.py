@@ -162,6 +162,44 @@ class GaussianKernel(SpectralKernel):
         return mp.exp(-sum(t * t for t in delta) / (2 * mp.mpf(self.lengthscale) ** 2))
 
 
+class _L1Distance(torch.autograd.Function):
+    """``torch.cdist(q, k, p=1)`` ``[..., N, M]`` with a backward that is differentiable in
+    turn (torch's ``_cdist_backward`` has no derivative, so a double backward, such as a
+    gradient penalty, raised ``NotImplementedError``).
+
+    The first-order backward is torch's own; only a backward that builds a graph
+    (``create_graph=True``) takes the differentiable form
+    :math:`\\partial/\\partial q_n = \\sum_m G_{nm}\\,\\mathrm{sign}(q_n - k_m)`, which
+    holds an ``[..., N, M, d]`` tensor (the sign's own derivative is 0).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+        qe, ke = q.expand(*batch, *q.shape[-2:]), k.expand(*batch, *k.shape[-2:])
+        dist = torch.cdist(qe, ke, p=1.0)
+        ctx.save_for_backward(qe, ke, dist)
+        ctx.shapes = (q.shape, k.shape)
+        return dist
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # type: ignore[override]
+        q, k, dist = ctx.saved_tensors
+        q_shape, k_shape = ctx.shapes
+        if torch.is_grad_enabled():  # create_graph: a form autograd can differentiate again
+            sign = torch.sign(q.unsqueeze(-2) - k.unsqueeze(-3))  # [..., N, M, d]
+            weighted = grad.unsqueeze(-1) * sign
+            gq, gk = weighted.sum(-2), -weighted.sum(-3)
+        else:
+            grad = grad.contiguous()
+            gq = torch.ops.aten._cdist_backward(grad, q.contiguous(), k.contiguous(), 1.0, dist)
+            gk = torch.ops.aten._cdist_backward(
+                grad.mT.contiguous(), k.contiguous(), q.contiguous(), 1.0, dist.mT.contiguous()
+            )
+        need_q, need_k = ctx.needs_input_grad
+        return (gq.sum_to_size(q_shape) if need_q else None, gk.sum_to_size(k_shape) if need_k else None)
+
+
 class LaplacianKernel(SpectralKernel):
     """The product (L1) Laplacian kernel of Rahimi & Recht.
 
@@ -190,7 +228,7 @@ class LaplacianKernel(SpectralKernel):
         return torch.exp(self.log_evaluate(q, k))
 
     def log_evaluate(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        return -torch.cdist(q, k, p=1.0) / self.lengthscale  # [..., N, M]
+        return -_L1Distance.apply(q, k) / self.lengthscale  # [..., N, M]
 
     def sample_frequencies(self, num: int, dim: int, draw: Draw) -> torch.Tensor:
         u = draw("uniform", (num, dim))  # [num, d] in [0, 1)

@@ -13,6 +13,7 @@ Table 1 of the SchoenbAt / Macformer papers prints two of them wrongly (see
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from fractions import Fraction
@@ -434,7 +435,24 @@ def resolve_kernel(kernel: Any, options: dict[str, Any] | None = None) -> DotPro
     cls = get_registry().kernel(kernel)
     if not issubclass(cls, DotProductKernel):
         raise InputError(f"kernel: random Maclaurin features need a dot-product kernel, {kernel!r} is {cls.family}")
+    accepted = _kernel_options(cls)
+    unknown = sorted(set(options) - set(accepted)) if accepted is not None else []
+    if unknown:
+        takes = f"takes the options {accepted}" if accepted else "takes no options"
+        raise InputError(f"kernel_options: kernel {kernel!r} {takes}, got {unknown}")
     return cls(**options)
+
+
+def _kernel_options(cls: type) -> list[str] | None:
+    """The keyword options ``cls(...)`` accepts (``None``: any, a ``**kwargs`` constructor)."""
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):  # pragma: no cover - a constructor without a signature
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params if p.kind in kinds]
 
 
 # --------------------------------------------------------------------------- the papers' Table 1, as printed

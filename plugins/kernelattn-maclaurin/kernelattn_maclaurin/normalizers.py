@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -126,12 +127,15 @@ class PPSBN(Normalizer):
             post_form = "gamma_pow" if power else "gamma_only"
         if stats not in STATS:
             raise InputError(f"stats: expected one of {list(STATS)}, got {stats!r}")
-        if not (isinstance(bn_eps, int | float) and bn_eps >= 0):
-            raise InputError(f"bn_eps: expected a number >= 0, got {bn_eps!r}")
+        if isinstance(bn_eps, bool) or not (isinstance(bn_eps, int | float) and math.isfinite(bn_eps) and bn_eps >= 0):
+            raise InputError(f"bn_eps: expected a finite number >= 0, got {bn_eps!r}")
         if channels is not None and (isinstance(channels, bool) or not isinstance(channels, int) or channels < 1):
             raise InputError(f"channels: expected a positive integer or None, got {channels!r}")
-        if row_scale is not None and not (isinstance(row_scale, int | float) and row_scale > 0):
-            raise InputError(f"row_scale: expected a positive number or None (d^(-1/4)), got {row_scale!r}")
+        if row_scale is not None and (
+            isinstance(row_scale, bool)
+            or not (isinstance(row_scale, int | float) and math.isfinite(row_scale) and row_scale > 0)
+        ):
+            raise InputError(f"row_scale: expected a finite number > 0 or None (d^(-1/4)), got {row_scale!r}")
         self.bn_eps = float(bn_eps)
         self.stats = stats
         self.post_form = post_form

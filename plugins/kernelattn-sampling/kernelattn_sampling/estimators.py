@@ -59,8 +59,13 @@ NOISE_CHOICES = ("paper", "code")
 def _check_noise(noise_std: object) -> float | str:
     if noise_std in NOISE_CHOICES:
         return noise_std  # type: ignore[return-value]
-    if isinstance(noise_std, bool) or not isinstance(noise_std, int | float) or noise_std < 0:
-        raise InputError(f"noise_std: expected 'paper', 'code' or a number >= 0, got {noise_std!r}")
+    if (
+        isinstance(noise_std, bool)
+        or not isinstance(noise_std, int | float)
+        or not math.isfinite(noise_std)
+        or noise_std < 0
+    ):
+        raise InputError(f"noise_std: expected 'paper', 'code' or a finite number >= 0, got {noise_std!r}")
     return float(noise_std)
 
 

@@ -89,15 +89,21 @@ def safe_softmax_stats(logits: torch.Tensor, values: torch.Tensor) -> tuple[torc
         :math:`\\sum_m \\mathrm{softmax}_m(\\ell)\\, v_m`; zeros when every logit is ``-inf``.
 
     The row maximum is an exact stabiliser (it cancels); it is detached, which leaves
-    every gradient unchanged.
+    every gradient unchanged. An all ``-inf`` row has zero gradients: its ``-inf``
+    log-normaliser is a constant (the logarithm is taken of 1 there and replaced), so
+    no :math:`0/0` of the logarithm's backward reaches the logits (or whatever made them,
+    such as the samples of a sequence whose keys are all padded).
     """
     top = logits.detach().amax(-1, keepdim=True)  # [..., X, 1]
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     w = (logits - top).exp()  # [..., X, M]
     den = w.sum(-1, keepdim=True)  # [..., X, 1]
+    empty = den == 0
+    safe_den = torch.where(empty, torch.ones_like(den), den)
     visible = logits != NEG_INF  # a -inf logit is a masked (or weightless) key: its value is never seen
-    mean = visible_matmul(w, values, visible) / torch.where(den == 0, torch.ones_like(den), den)  # [..., X, dv]
-    return (den.log() + top).squeeze(-1), mean
+    mean = visible_matmul(w, values, visible) / safe_den  # [..., X, dv]
+    log_den = torch.where(empty, torch.full_like(den, NEG_INF), safe_den.log() + top)
+    return log_den.squeeze(-1), mean
 
 
 def key_log_bias(k: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:

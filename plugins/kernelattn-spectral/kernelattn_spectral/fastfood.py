@@ -36,7 +36,7 @@ class _FastFoodFeatureMap(FeatureMap):
         generator: torch.Generator | None = None,
     ) -> None:
         self.bandwidth = check_positive_float("bandwidth", bandwidth)
-        if learn not in LEARN_VARIANTS:
+        if not isinstance(learn, str) or learn not in LEARN_VARIANTS:  # a list or dict: not hashable
             raise InputError(f"learn: expected one of {sorted(LEARN_VARIANTS)}, got {learn!r}")
         self.learn = learn
         super().__init__(head_dim, num_features, generator=generator)

@@ -54,17 +54,39 @@ class _GenerativeFeatureMap(FeatureMap):
             raise InputError("num_features: expected >= 2 (batch normalisation over the noise samples), got 1")
         super().__init__(head_dim, num_features, generator=generator)
 
-    def _build(self, head_dim: int) -> None:
+    def _widths(self, head_dim: int) -> tuple[int, ...]:
+        """The generator's widths: noise, hidden layers (without the output ``d``)."""
         noise_dim = self.noise_dim or head_dim
         hidden = self.hidden_dims or (DEFAULT_WIDTH_FACTOR * head_dim,) * DEFAULT_BLOCKS
-        widths = (noise_dim, *hidden)
+        return (noise_dim, *hidden)
+
+    def _build_budget(self, head_dim: int) -> list[tuple[str, int, int, str]]:
+        """The noise ``[M, d_noise]`` and each weight of the generator, named by the option
+        that sets its size (``noise_dim`` or ``hidden_dims`` when given, else ``head_dim``),
+        held to the draw budget before anything is allocated."""
+        widths = self._widths(head_dim)
+        names = ["noise_dim" if self.noise_dim else "head_dim"]
+        names += ["hidden_dims" if self.hidden_dims else "head_dim"] * (len(widths) - 1) + ["head_dim"]
+        sizes = [*zip(widths, names), (head_dim, "head_dim")]
+        out = []
+        if self.noise_dim:
+            out.append(("noise_dim", self.noise_dim, self.num_features, "num_features (the noise [M, d_noise])"))
+        for (i, name_in), (o, name_out) in itertools.pairwise(sizes):
+            given = [(w, n) for w, n in ((i, name_in), (o, name_out)) if n != "head_dim"]
+            value, name = max(given) if given else (head_dim, "head_dim")
+            what = f"(the generator's [{o:,}, {i:,}] weight) / {name}"
+            out.append((name, value, o * i // value, what))
+        return out
+
+    def _build(self, head_dim: int) -> None:
+        widths = self._widths(head_dim)
         self.weights = nn.ParameterList([nn.Parameter(torch.empty(o, i)) for i, o in itertools.pairwise(widths)])
         self.biases = nn.ParameterList([nn.Parameter(torch.zeros(o)) for o in widths[1:]])
         self.bn_weights = nn.ParameterList([nn.Parameter(torch.ones(o)) for o in widths[1:]])
         self.bn_biases = nn.ParameterList([nn.Parameter(torch.zeros(o)) for o in widths[1:]])
         self.out_weight = nn.Parameter(torch.empty(head_dim, widths[-1]))
         self.out_bias = nn.Parameter(torch.zeros(head_dim))
-        self.register_buffer("noise", torch.empty(self.num_features, noise_dim))  # [M, d_noise]
+        self.register_buffer("noise", torch.empty(self.num_features, widths[0]))  # [M, d_noise]
         self.register_buffer("params_initialised", torch.tensor(False))
 
     def _redraw(self, generator: torch.Generator | None) -> None:

@@ -185,6 +185,10 @@ class GMMRKSFeatureMap(_GMMFeatureMap):
         QuadratureIdentity(evaluate=_c.evaluate_gmm_rks_2d, label="GMM-RKS expectation, d = 2, C = 2, full A_c"),
     )
 
+    def _build_budget(self, head_dim: int) -> list[tuple[str, int, int, str]]:
+        # the [C, d, d] factors (and the [d, d] identity they start from), before allocating
+        return [("head_dim", head_dim, self.components * head_dim, "components × head_dim (the [C, d, d] factors)")]
+
     def _build_scales(self, head_dim: int) -> None:
         eye = torch.eye(head_dim) / self.bandwidth
         self.factors = nn.Parameter(eye.repeat(self.components, 1, 1))  # [C, d, d]
