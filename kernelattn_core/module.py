@@ -270,7 +270,12 @@ class KernelAttention(nn.Module):
         average_attn_weights : bool
             Accepted for signature compatibility (no weights are returned).
         is_causal : bool, optional
-            Overrides the module's ``causal`` flag for this call.
+            ``True`` makes this call causal (with or without the causal ``attn_mask``).
+            ``False`` and ``None`` leave the module's ``causal`` flag in force: as in
+            :class:`~torch.nn.MultiheadAttention`, where ``is_causal`` is a hint about the
+            mask and ``False`` removes no masking, a module built with ``causal=True``
+            stays causal (``nn.TransformerEncoderLayer`` and ``nn.TransformerDecoderLayer``
+            pass ``is_causal=False`` by default).
 
         Returns
         -------
@@ -322,6 +327,13 @@ class KernelAttention(nn.Module):
         key = query if key is None else key
         value = key if value is None else value
         for name, t, width in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
+            if isinstance(t, torch.Tensor) and t.is_nested:
+                raise InputError(
+                    f"{name}: expected a dense tensor, got a nested tensor (nn.TransformerEncoder's fast path packs "
+                    "a padded batch when it was built around nn.MultiheadAttention: build it with "
+                    "enable_nested_tensor=False, set encoder.use_nested_tensor = False, or convert it with "
+                    "kernelattn_core.convert_attention, which does)"
+                )
             check_tensor(name, t, 3, "[B, N, E]" if self.batch_first else "[N, B, E]")
             if t.shape[-1] != width:
                 raise InputError(f"{name}: expected last dimension {width}, got shape {tuple(t.shape)}")
@@ -353,11 +365,10 @@ class KernelAttention(nn.Module):
             check_bool("is_causal", is_causal, " or None (the module's causal flag)")
         kpm = bool_key_padding_mask(key_padding_mask, b, m, query.device)
         mask_causal = causal_from_attn_mask(attn_mask, n, m, b * self.num_heads, query.device)
-        causal = self.causal if is_causal is None else is_causal
-        if attn_mask is not None:
-            if is_causal and not mask_causal:
-                raise InputError("is_causal: True was given with an attn_mask that is not the causal mask")
-            causal = mask_causal or (is_causal is True)
+        if attn_mask is not None and is_causal and not mask_causal:
+            raise InputError("is_causal: True was given with an attn_mask that is not the causal mask")
+        # is_causal=False is no request to see the future: the torch layers pass it by default
+        causal = bool(self.causal) or is_causal is True or mask_causal
         if kpm is not None:  # before the projections (their weight gradients sum over every row), so
             # that nothing a padded row holds (NaN included: 0 * nan is nan) reaches an output or a
             # gradient; the projected rows are then the bias, finite, and masked by the estimator

@@ -277,3 +277,50 @@ def test_multihead_only_arguments_are_refused_by_the_module_not_blamed_on_the_es
     ka.KernelAttention(16, 2, "prf", dropout=0.0, add_bias_kv=False, add_zero_attn=False)  # asking for nothing
     with pytest.raises(ka.InputError, match=r"estimator: expected a registry name .*got FeatureMapAttention"):
         ka.KernelAttention(16, 2, ka.create("prf", num_features=8))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("where", ["direct-is_causal-false", "encoder-layer", "encoder", "decoder-layer"])
+def test_a_causal_module_stays_causal_inside_the_torch_layers(where: str) -> None:
+    """``nn.TransformerEncoderLayer``/``DecoderLayer`` pass ``is_causal=False`` by default;
+    it was read as "not causal", so a ``KernelAttention(causal=True)`` there let a later
+    token change every earlier row. As in ``nn.MultiheadAttention``, ``False`` removes no
+    masking: a later token changes no earlier row."""
+    torch.manual_seed(0)
+    attn = ka.KernelAttention(16, 2, estimator="prf", num_features=8, causal=True, batch_first=True, seed=0)
+    x = torch.randn(2, 6, 16)
+    later = x.clone()
+    later[:, 5] += 10.0  # only the last token changes
+    if where == "direct-is_causal-false":
+        run = lambda t: attn(t, t, t, is_causal=False)[0]  # noqa: E731
+    elif where == "decoder-layer":
+        layer = nn.TransformerDecoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+        layer.self_attn = attn
+        memory = torch.randn(2, 4, 16)
+        run = lambda t: layer(t, memory)  # noqa: E731
+    else:
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+        layer.self_attn = attn
+        model = layer if where == "encoder-layer" else nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        run = model.eval()
+    with torch.no_grad():
+        a, b = run(x), run(later)
+    torch.testing.assert_close(a[:, :5], b[:, :5], rtol=0, atol=0)
+    assert (a[:, 5] - b[:, 5]).abs().max() > 1e-3  # the changed row itself moves
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_a_nested_tensor_from_the_encoders_fast_path_is_refused_by_name() -> None:
+    """A ``KernelAttention`` swapped into an ``nn.TransformerEncoder`` built with its
+    default nested-tensor fast path got packed padded batches in eval and crashed deep in
+    torch ("NestedTensorImpl doesn't support sizes")."""
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2)  # enable_nested_tensor=True by default
+    for sub in encoder.layers:
+        sub.self_attn = ka.KernelAttention(16, 2, estimator="elu", batch_first=True)
+    x = torch.randn(2, 5, 16)
+    pad = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    with torch.no_grad(), pytest.raises(ka.InputError, match=r"^query: expected a dense tensor, got a nested tensor"):
+        encoder.eval()(x, src_key_padding_mask=pad)
+    encoder.use_nested_tensor = False  # the way out the message names
+    with torch.no_grad():
+        assert torch.isfinite(encoder(x, src_key_padding_mask=pad)[~pad]).all()
