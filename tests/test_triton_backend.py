@@ -721,6 +721,35 @@ def test_shape_outside_the_kernels_runs_torch_with_one_warning(monkeypatch):
 
 
 @interp
+@pytest.mark.parametrize(("name", "opts"), [("cexp", {"rule": "full"}), ("hedgehog", {}), ("gmm-prf", {})])
+def test_float32_under_autocast_is_computed_in_float32_as_the_torch_backend_does(name, opts):
+    """Under bfloat16 autocast the map's own products (cexp's ``x @ A``, hedgehog's
+    layers, gmm-prf's scales) ran in bfloat16 on the Triton path (output 2e-3-4e-3 off
+    its float32 result, dq 4e-3-8e-3) while the torch backend computes in float32."""
+    pytest.importorskip("kernelattn_hybrid")
+    pytest.importorskip("kernelattn_spectral")
+    torch.manual_seed(0)
+    est = ka.create(name, num_features=16, head_dim=8, **opts).train()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (0.7 * torch.randn(1, 2, 24, 8, generator=g) for _ in range(3))
+    if hasattr(est.feature_map, "fit"):
+        est.feature_map.fit(q, k)
+    est.eval()
+
+    def run(autocast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        qq = q.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = ka.kernel_attention(qq, k, v, est, causal=True, backend="triton")
+        (gq,) = torch.autograd.grad(out.float().square().sum(), qq)
+        return out.float(), gq
+
+    (out, gq), (ref, rq) = run(True), run(False)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gq, rq, rtol=1e-4, atol=1e-5)
+
+
+@interp
 @pytest.mark.parametrize(
     ("shape", "match"), [((4, 1, 9), "B \\* H = 4 heads exceed"), ((1, 2, 200), "4 chunks of 64 rows exceed")]
 )

@@ -36,6 +36,7 @@ import torch
 
 from ..errors import InputError
 from ..validation import check_head_dim
+from .chunked import autocast_off
 from .launch import _FALLBACK, BackendLaunchError, BackendWarning, fallback_allowed  # noqa: F401 - re-exported
 
 
@@ -264,37 +265,42 @@ def attend_features(
     """
     fm = feature_map
     spec = fm.fused_spec() if backend.load_fused is not None else None
-    if spec is not None and not spec.omega.requires_grad:
-        check_head_dim("q", q, fm.head_dim)
-        half = (torch.float16, torch.bfloat16)
-        q, k = (q.float(), k.float()) if q.dtype in half else (q, k)  # as raw_features does
-        return backend.load_fused()(
-            q,
-            k,
+    fused = spec is not None and not spec.omega.requires_grad
+    if not fused and backend.load_grouped is not None:
+        # the backend computes the features itself (torch: per group of positions, grouped.py,
+        # with autocast off)
+        num, den = backend.load_grouped()(
+            fm, None, q, k, v, causal=causal, key_padding_mask=key_padding_mask, chunk_size=chunk_size
+        )
+        return num, den
+    # the map's own products (a transform x @ A, a network's layers) in the inputs' dtype, as
+    # on the grouped path: under the caller's autocast they ran in bfloat16 on float32 inputs
+    with autocast_off(q.device):
+        if fused:
+            check_head_dim("q", q, fm.head_dim)
+            half = (torch.float16, torch.bfloat16)
+            q, k = (q.float(), k.float()) if q.dtype in half else (q, k)  # as raw_features does
+            return backend.load_fused()(
+                q,
+                k,
+                v,
+                spec,
+                log_space=fm.log_space,
+                causal=causal,
+                key_padding_mask=key_padding_mask,
+                chunk_size=chunk_size,
+            )
+        phi_q = fm.raw_features(q, query=True)  # [B, H, N, D]
+        phi_k = fm.raw_features(k, query=False)  # [B, H, M, D]
+        return backend.load()(
+            phi_q,
+            phi_k,
             v,
-            spec,
             log_space=fm.log_space,
             causal=causal,
             key_padding_mask=key_padding_mask,
             chunk_size=chunk_size,
         )
-    if backend.load_grouped is not None:
-        # the backend computes the features itself (torch: per group of positions, grouped.py)
-        num, den = backend.load_grouped()(
-            fm, None, q, k, v, causal=causal, key_padding_mask=key_padding_mask, chunk_size=chunk_size
-        )
-        return num, den
-    phi_q = fm.raw_features(q, query=True)  # [B, H, N, D]
-    phi_k = fm.raw_features(k, query=False)  # [B, H, M, D]
-    return backend.load()(
-        phi_q,
-        phi_k,
-        v,
-        log_space=fm.log_space,
-        causal=causal,
-        key_padding_mask=key_padding_mask,
-        chunk_size=chunk_size,
-    )
 
 
 def attend_normalized(
