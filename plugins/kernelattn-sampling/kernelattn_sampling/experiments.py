@@ -10,6 +10,12 @@ ratios to softmax in one run.
 matrix materialised (the core's naive exact path); ``sdpa`` adds torch's fused
 ``scaled_dot_product_attention``, whose memory is linear in the length, as the
 baseline people use today.
+
+Two memory figures: ``peak_mb`` of the whole encoder's forward and ``attn_peak_mb`` of one
+attention call alone (``[1, heads, N, embed / heads]``). Where attention is linear, the
+whole stack's peak is set by the layers around it (the feed-forward block's
+``[N, 4 embed]`` activation), so Performer, LARA and SDPA share one ``peak_mb``; the
+attention figure shows what the paper's Table 6 compares (LARA a little above Performer).
 """
 
 from __future__ import annotations
@@ -92,8 +98,9 @@ def run_experiment(config: EfficiencyConfig) -> list[dict[str, Any]]:
 
             seconds = median_time(call, device, repeats=config.repeats, warmup=config.warmup)
             mem = peak_memory(call, device)
+            attn_mem = peak_memory(_attention_call(method, config, n), device)
             if method == "softmax" or not base:
-                base = {"time": seconds, "mem": mem}
+                base = {"time": seconds, "mem": mem, "attn_mem": attn_mem}
             records.append(
                 {
                     "method": method,
@@ -102,9 +109,25 @@ def run_experiment(config: EfficiencyConfig) -> list[dict[str, Any]]:
                     "time_ratio": round(seconds / base["time"], 2),
                     "peak_mb": round(mem / 2**20, 2),
                     "mem_ratio": round(mem / base["mem"], 2),
+                    "attn_peak_mb": round(attn_mem / 2**20, 3),
+                    "attn_mem_ratio": round(attn_mem / base["attn_mem"], 3),
                 }
             )
     return records
+
+
+def _attention_call(method: str, config: EfficiencyConfig, n: int) -> Callable[[], torch.Tensor]:
+    """One attention call of ``method`` (training mode, no grad, as in the stack) on
+    ``q, k, v [1, heads, n, embed / heads]``, for its peak memory alone."""
+    torch.manual_seed(config.seed)
+    attention = METHODS[method](config.samples).train()
+    q, k, v = (torch.randn(1, config.heads, n, config.embed // config.heads) for _ in range(3))
+
+    def call() -> torch.Tensor:
+        with torch.no_grad():
+            return attention(q, k, v)
+
+    return call
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

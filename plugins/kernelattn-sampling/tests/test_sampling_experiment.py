@@ -21,6 +21,11 @@ def test_sampling_experiment_records_and_ratios() -> None:
     assert ra[128] > 1.0  # RA keeps two N x M matrices: more memory than softmax
     lara = {r["length"]: r["mem_ratio"] for r in records if r["method"] == "lara"}
     assert lara[128] < 1.0  # no N x M matrix: less memory than materialised softmax
+    # the attention call alone: RA's N x M matrices above softmax's one, the linear ones far
+    # below it (the whole stack's peak is the feed-forward block's for those)
+    attn = {r["method"]: r["attn_mem_ratio"] for r in records if r["length"] == 128}
+    assert attn["softmax"] == 1.0 and attn["ra"] > 1.0
+    assert attn["performer"] < 0.5 and attn["lara"] < 0.5
 
 
 def test_sampling_experiment_cli(capsys) -> None:  # type: ignore[no-untyped-def]
