@@ -1,16 +1,25 @@
 """The redraw policy shared by every random feature map.
 
 * ``every = k > 0``: a fresh draw every ``k`` training forward calls (the first call
-  uses the initial draw); ``every = 0``: never redraw after the first draw.
+  uses the initial draw); ``every = 0``: never redraw after the first draw. A training
+  forward call is any call in training mode (``module.train()``), under
+  ``torch.no_grad()`` too (a validation pass without ``eval()`` counts), except the
+  recompute of an activation checkpoint (:func:`recomputing`).
 * Evaluation mode (``module.eval()``) never redraws: outputs are frozen.
+* A forward call that runs inside a backward pass (the recompute of
+  :func:`torch.utils.checkpoint.checkpoint`, reentrant or not) advances nothing and draws
+  nothing: it uses the draws of the last training forward call, so the gradients are
+  those of the forward pass that made the output.
 * Draw number ``r`` uses a CPU :class:`torch.Generator` seeded with a fixed function
   of ``(seed, r)``. Replicas of a data-parallel model that share the seed and the
   step therefore draw the same features, on every device, without communication.
 * ``seed=None`` takes a seed from the global torch generator; inside an initialised
   :mod:`torch.distributed` process group the seed is *agreed*: rank 0's is broadcast
   once (:func:`agreed_seed`), when the policy is made or, if the group is initialised
-  later, at the first draw. Every rank therefore holds the same draws, shapes included,
-  even with ``broadcast_buffers=False`` and no seed given.
+  later (a model built before ``init_process_group``), at the first training forward
+  call after that (:meth:`RedrawPolicy.agree`), which also redraws the current draw with
+  the agreed seed. Every rank therefore holds the same draws, shapes included, from the
+  first training step on, even with ``broadcast_buffers=False`` and no seed given.
 * ``seed``, the step counter and the draw counter are buffers, so ``state_dict``
   carries them with the draws: a reloaded model gives bit-identical outputs and
   continues the same schedule.
@@ -39,6 +48,29 @@ def generator_for(seed: int, draw: int) -> torch.Generator:
 
 def _group_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def recomputing() -> bool:
+    """Whether the current forward call runs inside a backward pass: the recompute of an
+    activation checkpoint (:func:`torch.utils.checkpoint.checkpoint`, ``use_reentrant``
+    ``True`` or ``False``).
+
+    Such a call must replay the forward pass whose output is being differentiated: it
+    advances no redraw schedule, sample counter or running statistic and uses the draws
+    of the last training forward call. ``False`` while Dynamo traces (a compiled graph
+    has no checkpoint recompute of its own to detect, and reading the autograd engine's
+    state would break the graph) and, as before this check existed, on a torch without
+    ``torch._C._current_graph_task_id``.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    if current is None:  # pragma: no cover - a torch without the hook: every forward counts
+        return False
+    try:
+        return current() != -1
+    except Exception:  # pragma: no cover - defensive: never fail a forward call over this
+        return False
 
 
 def check_seed(seed: object) -> int | None:
@@ -75,7 +107,8 @@ class RedrawPolicy(nn.Module):
     Parameters
     ----------
     every : int
-        Redraw every ``every`` training steps; 0 never redraws.
+        Redraw every ``every`` training forward calls (calls in training mode, under
+        ``torch.no_grad()`` too; not checkpoint recomputes); 0 never redraws.
     seed : int, optional
         Base seed; when ``None`` one is taken from the global torch generator, so
         ``torch.manual_seed`` makes the whole model reproducible, and agreed across the
@@ -102,11 +135,36 @@ class RedrawPolicy(nn.Module):
         """Generator of the current draw number."""
         return generator_for(int(self.seed), int(self.draws))
 
-    def _settle_seed(self) -> None:
-        """Agree the seed across ranks if it was drawn before the process group existed."""
+    def _settle_seed(self) -> bool:
+        """Agree the seed across ranks if it was drawn before the process group existed
+        (one collective, once); whether the seed changed."""
+        changed = False
         if not self._seed_settled and _group_ready():
-            self.seed.fill_(agreed_seed(None))
+            agreed = agreed_seed(None)
+            changed = agreed != int(self.seed)
+            self.seed.fill_(agreed)
         self._seed_settled = self._seed_settled or _group_ready()
+        return changed
+
+    def agree(self, feature_map: FeatureMap | None = None) -> bool:
+        """At a training forward call: agree a seed that was taken before the process
+        group existed, and redraw ``feature_map``'s current draw with it.
+
+        A model built before ``torch.distributed.init_process_group`` made its draw 0
+        (and any draw since) from a seed of its own rank. The first training forward
+        call after the group exists agrees the seed (rank 0's, one broadcast, on every
+        rank at the same call, as a DDP step is) and, when it differs from the one the
+        draw used, redraws the same draw number with it, so every rank holds the same
+        features from that step on. Nothing happens (no collective) for a user seed, a
+        seed already agreed or loaded, outside a process group, in a checkpoint
+        recompute or while Dynamo traces. Returns whether the seed changed.
+        """
+        if self._seed_settled or torch.compiler.is_compiling() or not _group_ready() or recomputing():
+            return False
+        changed = self._settle_seed()
+        if changed and feature_map is not None and feature_map.random and feature_map.built:
+            feature_map.redraw(generator=self.generator())
+        return changed
 
     def initial(self, feature_map: FeatureMap, head_dim: int) -> None:
         """Build ``feature_map`` for ``head_dim`` with draw number 0."""
@@ -114,8 +172,11 @@ class RedrawPolicy(nn.Module):
         feature_map.build(head_dim, generator=self.generator())
 
     def before_forward(self, feature_map: FeatureMap, training: bool) -> None:
-        """Advance the schedule by one forward call and redraw when it is due."""
-        if not training or self.every == 0 or not feature_map.random:
+        """Advance the schedule by one forward call and redraw when it is due.
+
+        A checkpoint recompute (:func:`recomputing`) advances nothing: the map keeps the
+        draw the forward pass it replays used."""
+        if not training or self.every == 0 or not feature_map.random or recomputing():
             return
         step = int(self.step)
         if step > 0 and step % self.every == 0:

@@ -26,7 +26,9 @@ Registry
     ``resolve``, ``resolve_class`` (names to classes, at build time only).
 Validation and randomness
     ``check_choice``, ``check_key_padding_mask``, ``check_positive_int``, ``check_qkv``,
-    ``check_scale``, ``check_tensor``; ``RedrawPolicy``, ``generator_for``.
+    ``check_scale``, ``check_tensor``; ``RedrawPolicy``, ``generator_for``, ``recomputing``
+    (whether a forward call is an activation-checkpoint recompute: advance no schedule and
+    update no statistic then).
 Engine helpers
     references (``kernel_attention_naive``, ``feature_attention_naive``,
     ``decayed_linear_attention_naive``), the quarantine of
@@ -101,7 +103,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
             "check_tensor",
         )
     },
-    **{n: ("kernelattn_core.redraw", n) for n in ("RedrawPolicy", "generator_for")},
+    **{n: ("kernelattn_core.redraw", n) for n in ("RedrawPolicy", "generator_for", "recomputing")},
     # engine helpers
     **{
         n: ("kernelattn_core.engine.naive", n)

@@ -228,8 +228,10 @@ class FeatureMapAttention(AttentionEstimator):
     head_dim : int, optional
         Build the map now; otherwise on the first call.
     redraw_every : int
-        Redraw the random features every this many training steps (0: never); frozen
-        in eval mode. See :class:`~kernelattn_core.redraw.RedrawPolicy`.
+        Redraw the random features every this many training forward calls (0: never);
+        frozen in eval mode. A call in training mode under ``torch.no_grad()`` counts; the
+        recompute of an activation checkpoint does not (it reuses the draw of the call it
+        replays). See :class:`~kernelattn_core.redraw.RedrawPolicy`.
     seed : int, optional
         Seed of the redraw policy. ``None`` takes one from the global torch generator;
         inside an initialised :mod:`torch.distributed` process group it is broadcast
@@ -494,8 +496,12 @@ class FeatureMapAttention(AttentionEstimator):
         fm = self.feature_map
         if not fm.built:
             self.redraw_policy.initial(fm, q.shape[-1])
-        if self.training and self.redraw_policy.every:  # else before_forward has nothing to advance
-            self.redraw_policy.before_forward(fm, self.training)
+        if self.training:
+            # a seed taken before the process group existed is agreed at the first training
+            # call after it (and the draw remade with it); no-op otherwise
+            self.redraw_policy.agree(fm)
+            if self.redraw_policy.every:  # else before_forward has nothing to advance
+                self.redraw_policy.before_forward(fm, self.training)
         # with root != 1, _attend_scaled made sure that prepare is the base class's no-op
         fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)
         problem = Problem(q.device, q.dtype, fm.log_space, causal, torch.is_grad_enabled())

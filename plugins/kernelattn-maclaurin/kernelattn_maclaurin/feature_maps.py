@@ -344,14 +344,20 @@ class RandomMaclaurinFeatures(FeatureMap):
         self.register_buffer("omega", torch.empty(0, head_dim))
 
     def _redraw(self, generator: torch.Generator | None) -> None:
-        r = self.num_random
-        u = self._draw("uniform", (r,), torch.empty(0, dtype=torch.float64), generator)
-        degrees = self.distribution.sample(u).sort().values  # [R], sorted: features are exchangeable
-        total = int(degrees.sum())
-        kind = "rademacher" if self.projection == "rademacher" else "normal"
-        omega = self._draw(kind, (total, self.head_dim), self.omega, generator)  # [S, d]
-        self.degrees = degrees.to(self.degrees.device)
-        self.omega = omega
+        # the draw's shape varies (omega has sum N_i rows), so the buffers are new tensors: made
+        # outside inference mode, a redraw under torch.inference_mode() (a training-mode call)
+        # leaves ordinary buffers that later training steps can save for backward and
+        # load_state_dict can copy into (an inference tensor refuses both)
+        with torch.inference_mode(False):
+            r = self.num_random
+            u = self._draw("uniform", (r,), torch.empty(0, dtype=torch.float64), generator)
+            degrees = self.distribution.sample(u).sort().values  # [R], sorted: features are exchangeable
+            total = int(degrees.sum())
+            kind = "rademacher" if self.projection == "rademacher" else "normal"
+            omega = self._draw(kind, (total, self.head_dim), self.omega, generator)  # [S, d]
+            # new tensors, not in-place copies: a graph of an earlier call still holds the old ones
+            self.degrees = degrees.to(self.degrees.device)
+            self.omega = omega
         self._groups_cache = None
         self._weights_cache = None
 
@@ -360,7 +366,8 @@ class RandomMaclaurinFeatures(FeatureMap):
         """``[D]`` float64 (CPU) feature weights, derived from :attr:`degrees` (exact to one
         rounding whatever the module's dtype; not stored in the state dict)."""
         if self._weights_cache is None:
-            self._weights_cache = self._weights(self.degrees.cpu())
+            with torch.inference_mode(False):  # a cache filled under inference mode serves training too
+                self._weights_cache = self._weights(self.degrees.cpu())
         return self._weights_cache
 
     @weights.setter

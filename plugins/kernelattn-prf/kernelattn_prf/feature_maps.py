@@ -22,6 +22,7 @@ from kernelattn_core.toolkit import (
     SymbolicExpectation,
     UnbiasedKernelEstimate,
     finite_rows,
+    recomputing,
 )
 
 from . import adaptation
@@ -537,7 +538,10 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
           running statistics, which are then updated;
         * training, causal: :math:`A` from the running statistics of *earlier* batches
           only (:math:`A = I` before the first), because this batch's statistics
-          include later tokens and would leak them into earlier outputs.
+          include later tokens and would leak them into earlier outputs;
+        * the recompute of an activation checkpoint (a training call inside a backward
+          pass, :func:`~kernelattn_core.redraw.recomputing`): nothing; :math:`A` is the one
+          the call it replays set, and no statistic is updated.
 
         Padded keys (``key_padding_mask``) enter no statistic.
 
@@ -560,6 +564,10 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
         tracked = int(self.num_batches_tracked) > 0
         if not self.training:
             self._set_from_running() if tracked else self._set_identity()  # frozen
+            return
+        if recomputing():
+            # an activation checkpoint's recompute replays the training call that made the
+            # output: A stays as that call set it, and the batch is not counted again
             return
         full = self.rule == "full"
         if self.sync and _group_size() > 1:  # every replica: the statistics of the pooled batch

@@ -17,6 +17,7 @@ entries that a row may not see (:func:`~kernelattn_sampling.functional.visible_m
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -37,6 +38,7 @@ from kernelattn_core.toolkit import (
     generator_for,
     poison_rows,
     quarantine_non_finite,
+    recomputing,
 )
 
 from . import functional as fn
@@ -85,9 +87,15 @@ class _Draws(nn.Module):
     """The seeded draw schedule of a sampling estimator.
 
     ``seed`` lives in a :class:`~kernelattn_core.redraw.RedrawPolicy` (a buffer, saved in
-    ``state_dict``; agreed across data-parallel ranks by the core when ``None``); training
-    call number ``r`` draws from ``generator_for(seed, r)``. An explicit ``generator``
-    (mutually exclusive with ``seed``) is used as given instead.
+    ``state_dict``; agreed across data-parallel ranks by the core when ``None``, at the
+    first training call after the process group exists when the estimator was built
+    before it); training call number ``r`` draws from ``generator_for(seed, r)``. An
+    explicit ``generator`` (mutually exclusive with ``seed``) is used as given instead.
+
+    The recompute of an activation checkpoint (a forward call inside a backward pass,
+    :func:`~kernelattn_core.redraw.recomputing`) is not a new call: it gets the generator
+    of the last training call again (the explicit generator's state before that call) and
+    advances nothing, so it redraws exactly the samples of the forward pass it replays.
     """
 
     def __init__(self, seed: int | None, generator: torch.Generator | None) -> None:
@@ -98,6 +106,10 @@ class _Draws(nn.Module):
         self.generator = generator
         self.policy = RedrawPolicy(0, seed)
         self.register_buffer("calls", torch.tensor(0, dtype=torch.long))
+        #: the explicit generator's state before the last training call (a recompute replays it)
+        self._last_state: torch.Tensor | None = None
+        #: called when the seed is agreed anew across ranks (the owner's derived seeds follow it)
+        self.on_seed_agreed: Callable[[], None] | None = None
 
     @property
     def seed(self) -> int:
@@ -109,12 +121,32 @@ class _Draws(nn.Module):
         return int(torch.randint(0, 2**62, (), generator=g, dtype=torch.long))
 
     def next(self) -> torch.Generator:
-        """The generator of the next training call (advances the schedule)."""
+        """The generator of the next training call (advances the schedule); in a checkpoint
+        recompute, the last training call's generator again (advances nothing)."""
+        if recomputing():
+            replay = self._replay()
+            if replay is not None:
+                return replay
+        if self.training and self.policy.agree() and self.on_seed_agreed is not None:
+            self.on_seed_agreed()  # built before the process group: every rank now shares the seed
         if self.generator is not None:
+            if not torch.compiler.is_compiling():
+                self._last_state = self.generator.get_state()
             return self.generator
         g = generator_for(self.seed, int(self.calls))
         self.calls += 1
         return g
+
+    def _replay(self) -> torch.Generator | None:
+        """The generator of the last training call, as it was then (``None``: no call yet)."""
+        if self.generator is not None:
+            if self._last_state is None:
+                return None
+            g = torch.Generator(device=self.generator.device)
+            g.set_state(self._last_state)
+            return g
+        calls = int(self.calls)
+        return generator_for(self.seed, calls - 1) if calls > 0 else None
 
     def extra_repr(self) -> str:
         return "generator=explicit" if self.generator is not None else f"seed={self.seed}"
@@ -144,6 +176,11 @@ class _SamplingEstimator(AttentionEstimator):
         self.draws = _Draws(seed, generator)
         # seed of the fixed evaluation draws, derived from the seed; a buffer, so state_dict carries it
         self.register_buffer("eval_seed", torch.tensor(self.draws.derived_seed(0), dtype=torch.long))
+        self.draws.on_seed_agreed = self._derive_eval_seed
+
+    def _derive_eval_seed(self) -> None:
+        """Derive ``eval_seed`` again from the (newly agreed) seed."""
+        self.eval_seed.fill_(self.draws.derived_seed(0))
 
     @property
     def generator(self) -> torch.Generator | None:
