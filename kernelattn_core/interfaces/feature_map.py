@@ -217,10 +217,13 @@ class FeatureMap(nn.Module, ABC):
             return
         saved = _Unbuilt(self)
         try:
-            self.head_dim = head_dim
-            self._built_head_dim.fill_(head_dim)
-            self._build(head_dim)
-            self.redraw(generator=generator)
+            # normal tensors even when the first call runs under torch.inference_mode(): an
+            # inference tensor buffer could never be saved for a later training step's backward
+            with torch.inference_mode(False):
+                self.head_dim = head_dim
+                self._built_head_dim.fill_(head_dim)
+                self._build(head_dim)
+                self.redraw(generator=generator)
         except BaseException:
             saved.restore(self)
             raise
