@@ -155,3 +155,23 @@ def test_a_map_first_built_under_inference_mode_trains_afterwards(name: str) -> 
     qg = q.clone().requires_grad_()
     est(qg, k, v).square().sum().backward()
     assert qg.grad is not None and torch.isfinite(qg.grad).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", ["prf", "hedgehog"])
+def test_a_checkpointed_feature_map_layer_is_recomputed_once(name: str, causal: bool) -> None:
+    """Under a non-reentrant checkpoint a one-group call no longer holds its local graph
+    (packed by the checkpoint's hooks, its unpacking in the backward re-ran the forward
+    three times): one forward and one recompute per step, with the plain step's gradients."""
+    torch.manual_seed(0)
+    m = ka.KernelAttention(16, 2, estimator=name, batch_first=True, num_features=8, seed=1, causal=causal)
+    calls = [0]
+    m.estimator.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    x = torch.randn(2, 6, 16)
+    checkpoint(lambda t: m(t)[0], x, use_reentrant=False).square().sum().backward()
+    assert calls[0] == 2
+    grads = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    m(x)[0].square().sum().backward()
+    for a, p in zip(grads, m.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-6)

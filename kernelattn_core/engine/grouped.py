@@ -342,7 +342,7 @@ class _GroupedCausal(torch.autograd.Function):
         # one group (a short sequence): its features' local graph is built now and held for
         # the backward pass, which then does not recompute them (the memory is one group's,
         # the bound the grouping keeps anyway); several groups: recomputed group by group
-        hold = call.keep and len(spans) == 1
+        hold = call.keep and len(spans) == 1 and not _saved_tensor_hooks_active()
         ctx.held = ctx.tape = None
         for g0, g1 in spans:
             states.append(state)
@@ -409,6 +409,7 @@ class _GroupedNonCausal(torch.autograd.Function):
         # one key group and one query group (a short sequence): the features' local graphs
         # are built now and held for the backward pass, which then recomputes nothing
         hold = call.keep and len(call.spans(k.shape[2])) == 1 and len(call.spans(n)) == 1
+        hold = hold and not _saved_tensor_hooks_active()
         ctx.held = None
         if hold:
             need = ctx.needs_input_grad[1:4]
@@ -566,6 +567,24 @@ def _bad_output_rows(num: torch.Tensor, den: torch.Tensor, g0: int, g1: int) -> 
         return None
     bad = ~(torch.isfinite(d) & finite_rows(n))
     return bad if bool(bad.any()) else None
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks are in force (a non-reentrant activation checkpoint's,
+    ``torch.autograd.graph.save_on_cpu``): then a one-group call does not hold its local
+    graph for the backward pass. Held, its tensors were packed by those hooks, and the
+    backward's ``torch.autograd.grad`` over it (a graph task of its own) unpacked them
+    one by one: each unpack re-ran the checkpointed forward (a feature-map layer ran 4
+    times per checkpointed step instead of 2), and what the checkpoint frees would be
+    kept anyway. Not held, the backward recomputes the group's features, as for several
+    groups. ``False`` while Dynamo traces and on a torch without the query."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None or torch.compiler.is_compiling():
+        return False
+    try:
+        return top(True) is not None
+    except Exception:  # pragma: no cover - defensive: holding is only an optimisation
+        return False
 
 
 def _probe(fm: Any, q: torch.Tensor) -> None:
