@@ -172,11 +172,15 @@ class RedrawPolicy(nn.Module):
         feature_map.build(head_dim, generator=self.generator())
 
     def before_forward(self, feature_map: FeatureMap, training: bool) -> None:
-        """Advance the schedule by one forward call and redraw when it is due.
+        """At a training forward call: agree a seed taken before the process group existed
+        (:meth:`agree`), then advance the schedule by one call and redraw when it is due.
 
         A checkpoint recompute (:func:`recomputing`) advances nothing: the map keeps the
         draw the forward pass it replays used."""
-        if not training or self.every == 0 or not feature_map.random or recomputing():
+        if not training or recomputing():
+            return
+        self.agree(feature_map)
+        if self.every == 0 or not feature_map.random:
             return
         step = int(self.step)
         if step > 0 and step % self.every == 0:

@@ -30,6 +30,9 @@ CASES = {
     "ra": ("ra", {"num_features": 4}),
     "rfa-snis": ("rfa-snis", {"num_features": 8}),
     "lara": ("lara", {"num_features": 4}),
+    # estimators that call the redraw policy themselves (not through FeatureMapAttention)
+    "rfa-gate": ("rfa-gate", {"num_features": 8, "causal": True}),
+    "sliding-window prf": ("sliding-window", {"window": 2, "feature_map": "prf", "num_features": 8}),
 }
 
 

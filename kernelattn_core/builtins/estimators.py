@@ -497,11 +497,9 @@ class FeatureMapAttention(AttentionEstimator):
         if not fm.built:
             self.redraw_policy.initial(fm, q.shape[-1])
         if self.training:
-            # a seed taken before the process group existed is agreed at the first training
-            # call after it (and the draw remade with it); no-op otherwise
-            self.redraw_policy.agree(fm)
-            if self.redraw_policy.every:  # else before_forward has nothing to advance
-                self.redraw_policy.before_forward(fm, self.training)
+            # agrees a seed taken before the process group existed (and remakes the draw with
+            # it) at the first training call after it, then advances the redraw schedule
+            self.redraw_policy.before_forward(fm, self.training)
         # with root != 1, _attend_scaled made sure that prepare is the base class's no-op
         fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)
         problem = Problem(q.device, q.dtype, fm.log_space, causal, torch.is_grad_enabled())
