@@ -218,6 +218,25 @@ def test_bert_decoder_refuses_a_bidirectional_mask_with_a_state_naming_use_cache
         layer(x, both_ways, transformers.DynamicCache())
 
 
+def test_a_failed_cached_call_leaves_no_bert_layer_armed_for_a_foreign_update() -> None:
+    """The wrapper armed its state layer before its checks; a call that failed after that
+    left it open, and the original model's next update was accepted there silently."""
+    converted = convert_attention(_bert_decoder(), "softmax")
+    original = _bert_decoder()
+    ids = _ids(7)
+    with torch.no_grad():
+        past = converted(ids[:, :6], use_cache=True).past_key_values
+        layer = converted_modules(converted)[0][1]
+        with pytest.raises(ka.InputError):
+            layer(torch.zeros(1, 2, 7, dtype=torch.float64), None, past)  # a wrong hidden width
+        with pytest.raises(ka.InputError):
+            layer(torch.zeros(1, 3, 16, dtype=torch.float64), torch.zeros(1, 1, 3, 3, dtype=torch.float64), past)
+        assert not any(getattr(cache_layer, "armed", False) for cache_layer in past.layers)
+        with pytest.raises(ka.InputError, match=r"^past_key_values: this cache holds a kernelized model"):
+            original(ids[:, 6:], cache=past, use_cache=True)
+        assert [cache_layer.length for cache_layer in past.layers] == [6, 6]
+
+
 # ---------------------------------------------------------------------- 4. soft-capping and attention sinks
 def test_gemma2_logit_softcapping_is_refused_at_conversion_and_at_call_time() -> None:
     capped = transformers.Gemma2Config(**DECODER, query_pre_attn_scalar=16, sliding_window=64)

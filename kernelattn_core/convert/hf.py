@@ -356,9 +356,20 @@ class HFKernelSelfAttention(nn.Module):
             )
         return hidden_states, attention_mask, cache
 
+    def _batch_length(self, hidden_states: Any) -> tuple[int, int]:
+        """``B, N`` of ``hidden_states [B, N, E]``, refused by name when it is not such a
+        tensor of the projections' width ``E``."""
+        width = (self.q_lin if self.distil else self.query).in_features
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3 or hidden_states.shape[-1] != width:
+            raise InputError(
+                f"hidden_states: expected a tensor [B, N, E] with E = {width}, "
+                f"got {getattr(hidden_states, 'shape', type(hidden_states).__name__)}"
+            )
+        return hidden_states.shape[0], hidden_states.shape[1]
+
     def _project(self, hidden_states: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``q, k, v [B, H, N, d]``."""
-        b, n = _batch_length(hidden_states)
+        b, n = self._batch_length(hidden_states)
         qp, kp, vp = (self.q_lin, self.k_lin, self.v_lin) if self.distil else (self.query, self.key, self.value)
         shape = (b, n, self.num_heads, self.head_dim)
         q = qp(hidden_states).view(shape).transpose(1, 2)  # [B, H, N, d]
@@ -379,7 +390,7 @@ class HFKernelSelfAttention(nn.Module):
     def _inputs(
         self, hidden_states: Any, attention_mask: Any
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
-        b, n = _batch_length(hidden_states)
+        b, n = self._batch_length(hidden_states)
         kpm, causal = masks_from_hf(attention_mask, b, n, n)
         if kpm is not None:  # padded rows are keys and queries: nothing there (NaN too) reaches a weight gradient
             hidden_states = hidden_states.masked_fill(kpm[:, :, None], 0.0)
@@ -413,8 +424,7 @@ class HFKernelSelfAttention(nn.Module):
             )
         from .cache import state_layer
 
-        layer = state_layer(cache, getattr(self, "layer_idx", None))
-        b, n = _batch_length(hidden_states)
+        b, n = self._batch_length(hidden_states)
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() in (2, 4) and attention_mask.shape[-1] > n:
             attention_mask = attention_mask[..., -n:]  # a mask over every position so far: the new keys
         kpm, causal = masks_from_hf(attention_mask, b, n, n)
@@ -424,19 +434,16 @@ class HFKernelSelfAttention(nn.Module):
         if kpm is not None:
             hidden_states = hidden_states.masked_fill(kpm[:, :, None], 0.0)
         q, k, v = self._project(hidden_states)
-        k, v = layer.update(k, v)
+        layer = state_layer(cache, getattr(self, "layer_idx", None))  # armed for this update only
+        try:
+            k, v = layer.update(k, v)
+        finally:
+            layer.armed = False  # a failed update leaves no layer open to another attention
         k, v = zero_padded(k, v, kpm)
         return layer.attend(self.estimator, q, k, v, kpm)
 
     def extra_repr(self) -> str:
         return f"source={self.source}, num_heads={self.num_heads}, head_dim={self.head_dim}"
-
-
-def _batch_length(hidden_states: Any) -> tuple[int, int]:
-    """``B, N`` of ``hidden_states [B, N, E]``, refused by name when it is not such a tensor."""
-    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
-        raise InputError(f"hidden_states: expected a tensor [B, N, E], got {getattr(hidden_states, 'shape', None)}")
-    return hidden_states.shape[0], hidden_states.shape[1]
 
 
 def masks_from_hf(mask: Any, batch: int, n: int, m: int) -> tuple[torch.Tensor | None, bool]:
