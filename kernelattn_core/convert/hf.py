@@ -359,7 +359,8 @@ class HFKernelSelfAttention(nn.Module):
     def _batch_length(self, hidden_states: Any) -> tuple[int, int]:
         """``B, N`` of ``hidden_states [B, N, E]``, refused by name when it is not such a
         tensor of the projections' width ``E``."""
-        width = (self.q_lin if self.distil else self.query).in_features
+        proj = self.q_lin if self.distil else self.query
+        width = getattr(proj, "base", proj).weight.shape[1]  # an nn.Linear [out, in], or one a LoRA adapter wraps
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3 or hidden_states.shape[-1] != width:
             raise InputError(
                 f"hidden_states: expected a tensor [B, N, E] with E = {width}, "
