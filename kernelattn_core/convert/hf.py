@@ -368,9 +368,9 @@ class HFKernelSelfAttention(nn.Module):
             )
         return hidden_states.shape[0], hidden_states.shape[1]
 
-    def _project(self, hidden_states: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``q, k, v [B, H, N, d]``."""
-        b, n = self._batch_length(hidden_states)
+    def _project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q, k, v [B, H, N, d]`` of ``hidden_states`` (checked by :meth:`_batch_length`)."""
+        b, n = hidden_states.shape[:2]
         qp, kp, vp = (self.q_lin, self.k_lin, self.v_lin) if self.distil else (self.query, self.key, self.value)
         shape = (b, n, self.num_heads, self.head_dim)
         q = qp(hidden_states).view(shape).transpose(1, 2)  # [B, H, N, d]
@@ -435,11 +435,10 @@ class HFKernelSelfAttention(nn.Module):
         if kpm is not None:
             hidden_states = hidden_states.masked_fill(kpm[:, :, None], 0.0)
         q, k, v = self._project(hidden_states)
-        layer = state_layer(cache, getattr(self, "layer_idx", None))  # armed for this update only
-        try:
-            k, v = layer.update(k, v)
-        finally:
-            layer.armed = False  # a failed update leaves no layer open to another attention
+        # armed for this update only, after every check (update disarms it, even when it fails):
+        # a call refused in between would leave the layer open to another attention's update
+        layer = state_layer(cache, getattr(self, "layer_idx", None))
+        k, v = layer.update(k, v)
         k, v = zero_padded(k, v, kpm)
         return layer.attend(self.estimator, q, k, v, kpm)
 
