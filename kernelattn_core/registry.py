@@ -298,7 +298,10 @@ class Registry:
         implementation "pending"), a hook name without the marker, and an unmarked function
         whose name is a near miss of a hook the plugin does not implement
         (``kernelattn_feature_map``)."""
-        implemented = {n for n in HOOK_NAMES if self._pm.parse_hookimpl_opts(plugin, n) is not None}
+        # hasattr first: pluggy before 1.7 reads getattr(plugin, name) with no default
+        implemented = {
+            n for n in HOOK_NAMES if hasattr(plugin, n) and self._pm.parse_hookimpl_opts(plugin, n) is not None
+        }
         for attr in sorted(dir(plugin)):
             if attr.startswith("_"):
                 continue

@@ -7,6 +7,7 @@ entry points faked), never installed."""
 from __future__ import annotations
 
 import types
+import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -393,3 +394,27 @@ def test_the_shipped_plugins_and_the_toys_register_without_a_word() -> None:
     reg = ka.Registry(autoload=True, strict=True, block=others)
     reg.register_plugin(toy_plugin, "toys")
     assert "toy-prf" in reg.names() and all(not p.errors for p in reg.plugins())
+
+
+def test_registration_works_with_pluggys_before_1_7(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pluggy 1.3-1.6 (the declared minimum is 1.3) read ``getattr(plugin, name)`` with no
+    default in ``parse_hookimpl_opts``: asking it about a hook the plugin does not
+    implement raised AttributeError, and building the registry failed for every user of
+    those versions (seen on the GPU machine's pluggy 1.6). That lookup is emulated here."""
+    import pluggy
+
+    def strict(self: pluggy.PluginManager, plugin: object, name: str) -> Any:
+        method = getattr(plugin, name)  # no default, as before 1.7
+        if not callable(method):
+            return None
+        return getattr(method, self.project_name + "_impl", None)
+
+    monkeypatch.setattr(pluggy.PluginManager, "parse_hookimpl_opts", strict)
+    reg = ka.Registry(autoload=False)
+    assert "elu" in reg.names()
+    # a plugin implementing one hook only registers its names, with no warning
+    mod = _module("pluggy_compat", kernelattn_feature_maps=lambda: [_map("pluggy-compat-map")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PluginWarning)
+        info = reg.register_plugin(mod, "pluggy-compat")
+    assert "pluggy-compat-map" in reg.names() and not info.errors
