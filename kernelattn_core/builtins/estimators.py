@@ -475,14 +475,16 @@ class FeatureMapAttention(AttentionEstimator):
 
     def _attend_scaled(self, q, k, v, root, causal, key_padding_mask):  # type: ignore[no-untyped-def]
         """The factor ``root`` goes to the engine, which applies it group by group, when
-        nothing needs the scaled whole inputs first: the normaliser's ``pre`` and the map's
-        ``prepare`` are the identity, and ``_attend`` is not overridden."""
+        nothing needs the scaled whole inputs first: the normaliser's ``pre`` is the
+        identity, the map's ``prepare`` is the base class's no-op or takes the factor itself
+        (``prepare_takes_scale``), and ``_attend`` is not overridden."""
+        fm_cls = type(self.feature_map)
         if (
             type(self)._attend is not FeatureMapAttention._attend
             or type(self)._pre is not FeatureMapAttention._pre
             or type(self)._attend_features is not FeatureMapAttention._attend_features
             or type(self.normalizer).pre is not Normalizer.pre
-            or type(self.feature_map).prepare is not FeatureMap.prepare
+            or (fm_cls.prepare is not FeatureMap.prepare and not fm_cls.prepare_takes_scale)
         ):
             return super()._attend_scaled(q, k, v, root, causal, key_padding_mask)
         return self._attend_features(q, k, v, causal, key_padding_mask, root)
@@ -500,8 +502,12 @@ class FeatureMapAttention(AttentionEstimator):
             # agrees a seed taken before the process group existed (and remakes the draw with
             # it) at the first training call after it, then advances the redraw schedule
             self.redraw_policy.before_forward(fm, self.training)
-        # with root != 1, _attend_scaled made sure that prepare is the base class's no-op
-        fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)
+        # with root != 1, _attend_scaled made sure that prepare is the base class's no-op or
+        # takes the factor (prepare_takes_scale: it sees root * q, root * k, as the engine makes them)
+        if type(fm).prepare_takes_scale:
+            fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal, scale=root)
+        else:
+            fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)
         problem = Problem(q.device, q.dtype, fm.log_space, causal, torch.is_grad_enabled())
         prefer = preferred_backend(self, self.backend)  # kernel_attention(backend=) for this call
         backend = select_backend(problem, prefer)

@@ -151,6 +151,14 @@ class FeatureMap(nn.Module, ABC):
         Registry name of the normaliser feature-map attention uses with this map unless
         told otherwise (``"row"``; signed maps may name one that handles denominators
         near zero).
+    prepare_takes_scale : bool
+        Whether :meth:`prepare` accepts a keyword ``scale`` (a float, 1 by default) and
+        then treats the inputs it is given as ``scale * q`` and ``scale * k``. Feature-map
+        attention then leaves the estimator's factor :math:`\\sqrt{s}` to the engine (which
+        applies it group by group, with no scaled copy of the whole inputs) and calls
+        ``prepare(q, k, ..., scale=root)`` with the unscaled inputs. ``False`` (the
+        default): a map that overrides :meth:`prepare` is given scaled copies of the
+        inputs, and :meth:`prepare` is called without ``scale``.
     """
 
     name: ClassVar[str]
@@ -165,6 +173,7 @@ class FeatureMap(nn.Module, ABC):
     has_budget: ClassVar[bool] = True
     default_num_features: ClassVar[int] = 256
     default_normalizer: ClassVar[str] = "row"
+    prepare_takes_scale: ClassVar[bool] = False
     claims: ClassVar[tuple[Any, ...]] = ()
 
     def __init__(
@@ -275,6 +284,10 @@ class FeatureMap(nn.Module, ABC):
         tokens into earlier outputs, so causal calls may only use statistics of
         earlier batches). Data-adapted maps (CEXP) update their statistics here in
         training mode and keep them frozen in eval mode. The default does nothing.
+
+        A map that declares ``prepare_takes_scale = True`` also accepts ``scale`` (a
+        float, 1 by default): ``q`` and ``k`` are then unscaled, and what it sees is
+        ``scale * q`` and ``scale * k``.
         """
 
     # ------------------------------------------------------------------ helpers for subclasses

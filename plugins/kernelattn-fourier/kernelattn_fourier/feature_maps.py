@@ -322,6 +322,16 @@ class TrigSoftmaxFeatures(_TrigBase):
         nan_rows = torch.zeros_like(half).masked_fill_(over, float("nan"))  # [..., 1], no gradient
         return torch.addcmul(nan_rows, torch.cat([u.sin(), u.cos()], dim=-1), scale)  # [..., 2m]
 
+    #: :meth:`prepare` takes the estimator's factor: attention leaves the scaling to the
+    #: engine (no scaled copies of ``q`` and ``k``) and the check reads the unscaled keys
+    prepare_takes_scale: ClassVar[bool] = True
+
+    #: the one-reduction screen of :meth:`prepare` passes a call whose largest half-norm is
+    #: below ``(1 - _SCREEN_MARGIN)`` times the bound; keys closer to it (or non-finite,
+    #: or padded ones past it) take the exact test, computed as :meth:`_features` computes
+    #: it (the margin covers the rounding of the scaling in bfloat16, 2^-7 on ||k||^2, and of the norm)
+    _SCREEN_MARGIN: ClassVar[float] = 2e-2
+
     def prepare(
         self,
         q: torch.Tensor,
@@ -329,25 +339,38 @@ class TrigSoftmaxFeatures(_TrigBase):
         *,
         key_padding_mask: torch.Tensor | None = None,
         causal: bool = False,
+        scale: float = 1.0,
     ) -> None:
         """Non-causal calls: raise :class:`~kernelattn_core.errors.DomainError` when an
         unpadded key has a factor :math:`e^{\\|k\\|^2/2}` that overflows the compute
-        dtype (its feature row would be NaN, and so every output row). Padded keys, rows
-        holding NaN or inf (quarantined by attention) and calls without queries are left
-        out. Causal calls (and decoding steps) are not refused: the rows before the first
-        such key are finite and must not depend on later positions, and the rows from it
-        on are NaN, as after a NaN input. While Dynamo traces, nothing is read back (the
-        NaN rows remain). Nothing is learned from the data."""
+        dtype (its feature row would be NaN, and so every output row), ``k`` the scaled
+        key ``scale * k`` (feature-map attention passes the unscaled keys and its factor,
+        ``prepare_takes_scale``). Padded keys, rows holding NaN or inf (quarantined by
+        attention) and calls without queries are left out. Causal calls (and decoding
+        steps) are not refused: the rows before the first such key are finite and must
+        not depend on later positions, and the rows from it on are NaN, as after a NaN
+        input. While Dynamo traces, nothing is read back (the NaN rows remain). Nothing is
+        learned from the data.
+
+        One reduction over ``k`` (the largest key norm) decides in the common case; only
+        a call with a key near or past the bound, or a non-finite key, takes the exact
+        per-row test."""
         if causal or q.shape[-2] == 0 or k.numel() == 0 or torch.compiler.is_compiling():
             return
+        half_dtype = k.dtype in (torch.float16, torch.bfloat16)
+        dtype = torch.float32 if half_dtype else k.dtype
+        limit = math.log(torch.finfo(dtype).max)
+        top = float(torch.linalg.vector_norm(k.detach(), dim=-1, dtype=dtype).amax())  # detached: no graph
+        # NaN (a NaN key) fails the comparison and takes the exact test, as inf does
+        if 0.5 * scale * scale * top * top <= limit * (1.0 - self._SCREEN_MARGIN):
+            return
         with torch.no_grad():
-            x = k.detach()
-            x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+            x = k.detach() if scale == 1.0 else k.detach() * scale  # as the engine scales
+            x = x.float() if half_dtype else x
             half = 0.5 * (x * x).sum(-1)  # [B, H, M], as _features computes it
             seen = finite_rows(x)
             if key_padding_mask is not None:
                 seen = seen & ~key_padding_mask[:, None, :]
-            limit = math.log(torch.finfo(x.dtype).max)
             worst = float(torch.where(seen, half, torch.zeros_like(half)).max())
         if worst > limit:
             bound = math.sqrt(2.0 * limit)
