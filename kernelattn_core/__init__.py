@@ -10,7 +10,7 @@ Public vocabulary
 
 from typing import TYPE_CHECKING
 
-from .errors import DomainError, InputError, KernelAttnError, PluginError, PluginWarning, UnknownNameError
+from .errors import DomainError, InputError, KernelAttnError, PluginError, PluginWarning, ReplayError, UnknownNameError
 from .hookspecs import hookimpl
 
 # Everything that needs torch is imported on first use (PEP 562), so that
@@ -83,6 +83,7 @@ __all__ = [
     "PluginWarning",
     "RedrawPolicy",
     "Registry",
+    "ReplayError",
     "RowNormalizer",
     "ShiftInvariantKernel",
     "SignedRowNormalizer",

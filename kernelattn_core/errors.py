@@ -36,6 +36,12 @@ class UnknownNameError(KernelAttnError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class ReplayError(KernelAttnError, RuntimeError):
+    """The recompute of an activation checkpoint cannot tell which forward call it replays
+    while the pending calls of the same layer used different random draws (or data-adapted
+    statistics), so any choice could give the gradient of other draws."""
+
+
 class PluginWarning(UserWarning):
     """A plugin failed to load or registered a bad class; it was skipped and
     every other plugin keeps working."""

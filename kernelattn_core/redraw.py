@@ -8,8 +8,11 @@
 * Evaluation mode (``module.eval()``) never redraws: outputs are frozen.
 * A forward call that runs inside a backward pass (the recompute of
   :func:`torch.utils.checkpoint.checkpoint`, reentrant or not) advances nothing and draws
-  nothing: it uses the draws of the last training forward call, so the gradients are
-  those of the forward pass that made the output.
+  nothing new: it uses the draws of the forward call it recomputes, so the gradients are
+  those of the forward pass that made the output, also when the same layer ran several
+  checkpointed calls before one backward pass (:class:`PendingDraws`). A recompute
+  whose call cannot be identified while another pending call used other draws raises
+  :class:`ReplayError` instead of guessing.
 * Draw number ``r`` uses a CPU :class:`torch.Generator` seeded with a fixed function
   of ``(seed, r)``. Replicas of a data-parallel model that share the seed and the
   step therefore draw the same features, on every device, without communication.
@@ -27,10 +30,16 @@
 
 from __future__ import annotations
 
+import sys
+import weakref
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .errors import ReplayError
 from .interfaces.feature_map import FeatureMap
 from .validation import check_positive_int
 from .validation import check_seed as _check_seed
@@ -71,6 +80,268 @@ def recomputing() -> bool:
         return current() != -1
     except Exception:  # pragma: no cover - defensive: never fail a forward call over this
         return False
+
+
+_MISSING: Any = object()
+
+#: torch's checkpoint internals that identify one checkpointed call, looked up once
+#: (``None`` when this torch lacks them: no call is identified, see :func:`checkpoint_token`)
+_CKPT: dict[str, Any] = {}
+
+
+def _ckpt_internals() -> dict[str, Any]:
+    if not _CKPT:
+        try:
+            import torch.utils.checkpoint as ckpt
+
+            _CKPT["frame"] = getattr(ckpt, "_CheckpointFrame", None)
+            fn = getattr(ckpt, "CheckpointFunction", None)
+            _CKPT["node"] = getattr(fn, "_backward_cls", None)
+            _CKPT["forward"] = getattr(getattr(fn, "forward", None), "__code__", None)
+            _CKPT["checkpoint"] = getattr(getattr(ckpt, "checkpoint", None), "__code__", None)
+            hook = getattr(getattr(ckpt, "_checkpoint_hook", None), "__init__", None)
+            consts = getattr(getattr(hook, "__code__", None), "co_consts", ())
+            _CKPT["unpack"] = tuple(
+                c for c in consts if getattr(c, "co_name", "") == "unpack_hook" and "frame" in c.co_freevars
+            )
+        except Exception:  # pragma: no cover - defensive: nothing is identified then
+            _CKPT.update(frame=None, node=None, forward=None, checkpoint=None, unpack=())
+    return _CKPT
+
+
+def _hook_frame(cell_name: str) -> object | None:
+    """The checkpoint frame a non-reentrant checkpoint's saved-tensor pack hook (the top
+    one) closes over: ``frame`` in the original forward, ``target_frame_ref`` in the
+    recompute; ``None`` when the top hook is no checkpoint's."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(True) if top is not None else None
+    if not hooks:
+        return None
+    pack = hooks[0]
+    pack = getattr(pack, "__wrapped__", pack)  # the recompute's hook is wrapped by dynamo.disable
+    code, closure = getattr(pack, "__code__", None), getattr(pack, "__closure__", None)
+    if code is None or not closure:
+        return None
+    cells = dict(zip(code.co_freevars, closure))
+    if cell_name not in cells:
+        return None
+    obj = cells[cell_name].cell_contents
+    if cell_name == "target_frame_ref":
+        obj = obj() if isinstance(obj, weakref.ref) else None
+    kind = _ckpt_internals()["frame"]
+    return obj if kind is not None and isinstance(obj, kind) else None
+
+
+def _stack_frame(recompute: bool) -> object | None:
+    """The non-reentrant checkpoint frame found on the call stack when other saved-tensor
+    hooks sit above the checkpoint's: the ``frame`` of the unpack hook that runs the
+    recompute, or the one ``checkpoint()``'s generator made for the original forward."""
+    internals = _ckpt_internals()
+    kind, unpack, call = internals["frame"], internals["unpack"], internals["checkpoint"]
+    f = sys._getframe(2)
+    while f is not None:
+        if recompute and f.f_code in unpack:
+            obj = f.f_locals.get("frame")
+            return obj if kind is not None and isinstance(obj, kind) else None
+        if not recompute and f.f_code is call:
+            gen = f.f_locals.get("gen")
+            obj = getattr(getattr(gen, "gi_frame", None), "f_locals", {}).get("new_frame")
+            return obj if kind is not None and isinstance(obj, kind) else None
+        f = f.f_back
+    return None
+
+
+def _reentrant_context() -> object | None:
+    """The ``ctx`` of the reentrant checkpoint (``CheckpointFunction.forward``) on the
+    call stack, if any."""
+    code = _ckpt_internals()["forward"]
+    if code is None:
+        return None
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code is code:
+            return f.f_locals.get("ctx")
+        f = f.f_back
+    return None
+
+
+def _saved_tensor_hooks_active() -> bool:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(True) is not None
+
+
+def checkpoint_token() -> object | None:
+    """The activation checkpoint the current forward call belongs to, or ``None``.
+
+    The same object in a checkpointed call's original forward pass and in its recompute:
+    the node of a reentrant checkpoint (``use_reentrant=True``), the frame of a
+    non-reentrant one. It lives as long as that checkpoint's graph, so what is kept
+    weakly by it (:class:`PendingDraws`) goes with the graph. Found from the top
+    saved-tensor hooks, else from the call stack (further hooks such as
+    :class:`torch.autograd.graph.save_on_cpu` above the checkpoint's; a reentrant
+    checkpoint's forward). ``None`` outside a checkpoint, while Dynamo traces and on a
+    torch whose checkpoint internals differ. A recompute of a checkpoint nested in the
+    recompute of another belongs to the outer one (its original call is not known).
+    Outside a checkpoint a call with gradients on and no saved-tensor hooks costs one
+    query of those hooks; a call under ``torch.no_grad()`` also walks up the call stack.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        if recomputing():
+            node_kind = _ckpt_internals()["node"]
+            node = torch._C._current_autograd_node()
+            if node_kind is not None and isinstance(node, node_kind):
+                return node
+            return _hook_frame("target_frame_ref") or _stack_frame(recompute=True)
+        frame = _hook_frame("frame")
+        if frame is not None:
+            return frame
+        if _saved_tensor_hooks_active():
+            return _stack_frame(recompute=False)
+        if not torch.is_grad_enabled():
+            return _reentrant_context()
+    except Exception:  # pragma: no cover - defensive: never fail a forward call over this
+        return None
+    return None
+
+
+def same_draws(a: object, b: object) -> bool:
+    """Whether two recorded draws (ints, tuples, tensors or dicts of tensors) are equal."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_draws(a[n], b[n]) for n in a)
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return (
+            torch.is_tensor(a)
+            and torch.is_tensor(b)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(torch.equal(a, b.to(a.device)))
+        )
+    return a == b
+
+
+class PendingDraws:
+    """The draws of checkpointed training calls whose recompute may still come.
+
+    :meth:`add` keys a call's draws by its :func:`checkpoint_token`, held weakly: an entry
+    disappears with its checkpoint's graph (after the backward pass, once nothing holds
+    the output), so entries never accumulate across steps; a backward pass with
+    ``retain_graph=True`` can recompute again. Not copied by :func:`copy.deepcopy` nor
+    pickled (a copy starts empty).
+    """
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[weakref.ref, object]] = {}
+
+    def add(self, token: object, draws: object) -> None:
+        key, items = id(token), self._items
+
+        def drop(ref: weakref.ref, key: int = key, items: dict = items) -> None:
+            entry = items.get(key)
+            if entry is not None and entry[0] is ref:
+                del items[key]
+
+        items[key] = (weakref.ref(token, drop), draws)
+
+    def get(self, token: object | None) -> object:
+        """The draws recorded for ``token``, or the module constant ``_MISSING``."""
+        if token is None:
+            return _MISSING
+        entry = self._items.get(id(token))
+        if entry is None or entry[0]() is not token:
+            return _MISSING
+        return entry[1]
+
+    def values(self) -> list[object]:
+        return [v for ref, v in list(self._items.values()) if ref() is not None]
+
+    def __len__(self) -> int:
+        return len(self.values())
+
+    def __deepcopy__(self, memo: dict) -> PendingDraws:
+        return PendingDraws()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._items = {}
+
+    def replay(self, latest: object, what: str) -> object:
+        """The draws the current recompute must use: those recorded for its checkpoint,
+        else ``latest`` (the last training call's), unless another pending call used
+        different draws, which raises :class:`ReplayError` naming ``what``."""
+        found = self.get(checkpoint_token())
+        if found is not _MISSING:
+            return found
+        if any(not same_draws(v, latest) for v in self.values()):
+            raise ReplayError(
+                f"{what}: the recompute of an activation checkpoint could not be matched to the "
+                "forward call it replays, and another checkpointed call of the same layer is still "
+                "pending with other random draws, so its gradient would belong to other draws. "
+                "This happens when further saved-tensor hooks (save_on_cpu) run inside the "
+                "checkpoint, with nested checkpoints, or on a torch whose checkpoint internals "
+                "differ. Backpropagate each checkpointed call before the next training call of "
+                "this layer, drop the inner hooks, or make the draws fixed (redraw_every=0, an "
+                "eval-mode layer)."
+            )
+        return latest
+
+
+def after_backward(callback: Callable[[], None]) -> bool:
+    """Run ``callback`` when the backward pass that runs now ends (the autograd engine's
+    ``queue_callback``); whether it could be queued (not outside a backward pass)."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+    except Exception:  # no backward pass runs: the caller restores lazily
+        return False
+    return True
+
+
+def _drawn(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    skip = getattr(module, "_not_drawn", ())
+    return {n: t for n, t in module._buffers.items() if n not in skip}
+
+
+class MapState:
+    """The buffers of a feature map (and of its submodules) as one call saw them: the
+    tensor objects themselves, not copies. Two states are equal when they hold the same
+    objects. Keeping one is free as long as a redraw makes new tensors, which
+    :meth:`RedrawPolicy.before_forward` ensures while a recorded state is pending
+    (:meth:`detach_from`). A module's buffers named in its ``_not_drawn`` attribute (state
+    that is not a draw, kept by the module itself: CEXP's :math:`A` and statistics) are
+    left out."""
+
+    __slots__ = ("buffers",)
+
+    def __init__(self, feature_map: nn.Module) -> None:
+        self.buffers = [(m, _drawn(m)) for m in feature_map.modules()]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MapState) or len(self.buffers) != len(other.buffers):
+            return False
+        for (m, a), (n, b) in zip(self.buffers, other.buffers):
+            if m is not n or a.keys() != b.keys() or any(a[k] is not b[k] for k in a):
+                return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @staticmethod
+    def detach_from(feature_map: nn.Module) -> None:
+        """Give ``feature_map`` copies of its buffers, so that an in-place redraw leaves
+        the tensors a recorded state holds as they are."""
+        for m in feature_map.modules():
+            for name, t in _drawn(m).items():
+                if t is not None:
+                    m._buffers[name] = t.clone()
+
+    def show(self) -> None:
+        """Put these buffers back in their modules (caches derived from buffers must be
+        keyed by the buffer objects to follow)."""
+        for m, buffers in self.buffers:
+            m._buffers.update(buffers)
 
 
 def check_seed(seed: object) -> int | None:
@@ -125,6 +396,10 @@ class RedrawPolicy(nn.Module):
         self.register_buffer("seed", torch.tensor(agreed_seed(seed), dtype=torch.long))
         self.register_buffer("step", torch.tensor(0, dtype=torch.long))
         self.register_buffer("draws", torch.tensor(0, dtype=torch.long))
+        #: ``(seed, draw)`` of checkpointed training calls whose recompute may still come
+        self._pending = PendingDraws()
+        #: the map's buffers of the last training call while a recompute shows another's
+        self._latest: MapState | None = None
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -175,19 +450,60 @@ class RedrawPolicy(nn.Module):
         """At a training forward call: agree a seed taken before the process group existed
         (:meth:`agree`), then advance the schedule by one call and redraw when it is due.
 
-        A checkpoint recompute (:func:`recomputing`) advances nothing: the map keeps the
-        draw the forward pass it replays used."""
-        if not training or recomputing():
+        A checkpoint recompute (:func:`recomputing`) advances nothing: the map shows the
+        draw of the forward call it replays. A training call inside an activation
+        checkpoint records the map's buffers (:class:`MapState`, no copy; kept in
+        :class:`PendingDraws` until its checkpoint's graph is freed, and a redraw while one
+        is kept draws into new tensors); a recompute of an earlier call than the last one
+        puts that call's buffers in the map until the backward pass ends
+        (:func:`after_backward`), then the last call's back. The gradients, the map's
+        state and the schedule are therefore those of the same calls without
+        checkpointing. A recompute that cannot be
+        matched to its call while another pending call used another draw raises
+        :class:`ReplayError`."""
+        if not training:
             return
+        if recomputing():
+            self._replay(feature_map)
+            return
+        self._end_replay()
         self.agree(feature_map)
-        if self.every == 0 or not feature_map.random:
+        if self.every != 0 and feature_map.random:
+            step = int(self.step)
+            if step > 0 and step % self.every == 0:
+                self._settle_seed()
+                self.draws += 1
+                if len(self._pending):  # a pending recompute still needs the current tensors
+                    MapState.detach_from(feature_map)
+                feature_map.redraw(generator=self.generator())
+            self.step += 1
+        if feature_map.random:
+            token = checkpoint_token()
+            if token is not None:
+                self._pending.add(token, MapState(feature_map))
+
+    def _replay(self, feature_map: FeatureMap) -> None:
+        """Show ``feature_map`` the draw of the call the current recompute replays, until
+        the backward pass ends (:meth:`_end_replay`)."""
+        if not feature_map.random or not feature_map.built:
             return
-        step = int(self.step)
-        if step > 0 and step % self.every == 0:
-            self._settle_seed()
-            self.draws += 1
-            feature_map.redraw(generator=self.generator())
-        self.step += 1
+        shown = MapState(feature_map)
+        latest = self._latest if self._latest is not None else shown
+        want = self._pending.replay(latest, f"{type(feature_map).__name__} (redraw_every={self.every})")
+        if want == shown:
+            return
+        want.show()  # type: ignore[attr-defined]
+        if self._latest is None:
+            self._latest = latest
+            after_backward(self._end_replay)
+
+    def _end_replay(self) -> None:
+        """Put the last training call's buffers back in the map after a backward pass whose
+        recomputes showed it an earlier call's (queued at the end of that backward pass;
+        also at the next training call, in case the queue was not run)."""
+        if self._latest is not None:
+            latest, self._latest = self._latest, None
+            latest.show()
 
     def extra_repr(self) -> str:
         return f"every={self.every}, seed={int(self.seed)}"

@@ -28,7 +28,11 @@ Validation and randomness
     ``check_choice``, ``check_key_padding_mask``, ``check_positive_int``, ``check_qkv``,
     ``check_scale``, ``check_tensor``; ``RedrawPolicy``, ``generator_for``, ``recomputing``
     (whether a forward call is an activation-checkpoint recompute: advance no schedule and
-    update no statistic then).
+    update no statistic then), ``checkpoint_token`` (which checkpointed call a forward
+    call or recompute belongs to), ``PendingDraws`` (a checkpointed call's draws until
+    its recompute), ``MapState`` (a feature map's buffers as one call saw them),
+    ``same_draws``, ``after_backward`` and ``ReplayError`` (a recompute that cannot be
+    matched).
 Engine helpers
     references (``kernel_attention_naive``, ``feature_attention_naive``,
     ``decayed_linear_attention_naive``), the quarantine of
@@ -60,7 +64,7 @@ from importlib import import_module
 #: published name -> (module, attribute there)
 _EXPORTS: dict[str, tuple[str, str]] = {
     # interfaces and errors
-    **{n: ("kernelattn_core.errors", n) for n in ("DomainError", "InputError", "KernelAttnError")},
+    **{n: ("kernelattn_core.errors", n) for n in ("DomainError", "InputError", "KernelAttnError", "ReplayError")},
     **{n: ("kernelattn_core.errors", n) for n in ("PluginError", "PluginWarning", "UnknownNameError")},
     "hookimpl": ("kernelattn_core.hookspecs", "hookimpl"),
     **{
@@ -103,7 +107,19 @@ _EXPORTS: dict[str, tuple[str, str]] = {
             "check_tensor",
         )
     },
-    **{n: ("kernelattn_core.redraw", n) for n in ("RedrawPolicy", "generator_for", "recomputing")},
+    **{
+        n: ("kernelattn_core.redraw", n)
+        for n in (
+            "MapState",
+            "PendingDraws",
+            "RedrawPolicy",
+            "after_backward",
+            "checkpoint_token",
+            "generator_for",
+            "recomputing",
+            "same_draws",
+        )
+    },
     # engine helpers
     **{
         n: ("kernelattn_core.engine.naive", n)

@@ -175,3 +175,153 @@ def test_a_checkpointed_feature_map_layer_is_recomputed_once(name: str, causal: 
     m(x)[0].square().sum().backward()
     for a, p in zip(grads, m.parameters()):
         torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- several calls, one backward
+#: (estimator, options): every random estimator whose recompute replays draws or statistics
+TWICE = [
+    ("prf", {"num_features": 8, "redraw_every": 1}),
+    ("ra", {"num_features": 4}),
+    ("rfa-snis", {"num_features": 8}),
+    ("cexp", {"num_features": 8}),
+    ("cexp", {"num_features": 8, "redraw_every": 1}),
+    ("rmfa", {"num_features": 8, "redraw_every": 1}),
+    ("schoenbat", {"num_features": 8, "redraw_every": 1}),
+]
+
+
+def _two_calls(name: str, opts: dict[str, object], reentrant: bool | None, order: str) -> list[tuple]:
+    """Two steps, each with two training calls of one layer before the backward pass:
+    ``"sum"`` (two inputs, one loss), ``"tied"`` (the layer applied to its own output) or
+    ``"fifo"`` (two inputs, the first call's loss backpropagated first). Checkpointed when
+    ``reentrant`` is given."""
+    m = _model(name, opts)
+    record = []
+    for step in range(2):
+        xs = [
+            torch.randn(2, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * step + i))
+            for i in range(2)
+        ]
+        for x in xs:
+            x.requires_grad_()
+        m.zero_grad()
+
+        def layer(t: torch.Tensor) -> torch.Tensor:
+            out = m(t)[0]
+            return out if order != "tied" else out * 0.5  # keeps the second call's inputs moderate
+
+        def call(t: torch.Tensor) -> torch.Tensor:
+            return layer(t) if reentrant is None else checkpoint(layer, t, use_reentrant=reentrant)
+
+        if order == "tied":
+            call(call(xs[0])).square().sum().backward()
+        else:
+            o1, o2 = call(xs[0]), call(xs[1])
+            if order == "sum":
+                (o1.square().sum() + o2.square().sum()).backward()
+            else:
+                o1.square().sum().backward()
+                o2.square().sum().backward()
+        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        state = {k: t.clone() for k, t in m.estimator.state_dict().items() if torch.is_tensor(t)}
+        inputs = [x.grad.clone() for x in xs if x.grad is not None]
+        record.append((inputs, grads, state))
+    return record
+
+
+@pytest.mark.parametrize("order", ["sum", "tied", "fifo"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize(("name", "opts"), TWICE, ids=[f"{n}-{o}" for n, o in TWICE])
+def test_two_checkpointed_calls_before_one_backward_have_the_plain_gradients(name, opts, reentrant, order) -> None:
+    """One layer called twice (two inputs, a weight-tied layer on its own output) before
+    the backward pass: each recompute uses the draws and statistics of the call it
+    recomputes, whatever order the backward pass takes, and the estimator's state after
+    the step is the plain step's (the last call's draws)."""
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    plain = _two_calls(name, opts, None, order)
+    ckpt = _two_calls(name, opts, reentrant, order)
+    for step, ((x0, g0, s0), (x1, g1, s1)) in enumerate(zip(plain, ckpt)):
+        assert g1.keys() == g0.keys() and len(x1) == len(x0)
+        pairs = [(f"input {i} grad", a, b) for i, (a, b) in enumerate(zip(x1, x0))]
+        pairs += [(k, g1[k], g0[k]) for k in g0]
+        for what, got, want in pairs:
+            close = torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+            assert close, f"step {step} {what}: max diff {float((got - want).abs().max()):.3g}"
+        differ = [k for k in s0 if not torch.equal(s0[k], s1[k])]
+        assert not differ, f"step {step}: estimator state differs after the checkpointed step: {differ}"
+
+
+@pytest.mark.parametrize(
+    ("name", "opts"), [("ra", {"num_features": 4}), ("prf", {"num_features": 8, "redraw_every": 1})]
+)
+def test_an_unmatched_recompute_with_other_pending_draws_raises(name, opts) -> None:
+    """Nested checkpoints: the outer recompute runs the inner calls again under new
+    checkpoints, which cannot be matched to their original calls. With two calls of the
+    layer pending with different draws that is refused (``ReplayError``) instead of
+    giving the gradient of the other call's draws; with one call (the negative control)
+    the last call's draws are the right ones and the gradients are the plain step's."""
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+
+    def run(calls: int, nested: bool) -> torch.Tensor:
+        m = _model(name, opts)
+        x = torch.randn(2, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        x.requires_grad_()
+
+        def layer(t: torch.Tensor) -> torch.Tensor:
+            return m(t)[0] * 0.5
+
+        def block(t: torch.Tensor) -> torch.Tensor:
+            for _ in range(calls):
+                t = checkpoint(layer, t, use_reentrant=False) if nested else layer(t)
+            return t
+
+        out = checkpoint(block, x, use_reentrant=False) if nested else block(x)
+        out.square().sum().backward()
+        return m.q_proj.weight.grad.clone()
+
+    with pytest.raises(redraw.ReplayError, match="could not be matched"):
+        run(2, nested=True)
+    torch.testing.assert_close(run(1, nested=True), run(1, nested=False), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_pending_draws_do_not_accumulate_across_steps(reentrant) -> None:
+    """A checkpointed call's record lives as long as its checkpoint's graph: after many
+    steps (two checkpointed calls each, and a training-mode validation call under
+    ``torch.no_grad()``) nothing is left once the outputs are gone, and no replayed draw
+    is left in the map."""
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    for name, opts, pendings in (
+        ("prf", {"num_features": 8, "redraw_every": 1}, lambda e: [e.redraw_policy._pending]),
+        ("cexp", {"num_features": 8, "redraw_every": 1}, lambda e: [e.redraw_policy._pending, e.feature_map._adapted]),
+        ("ra", {"num_features": 4}, lambda e: [e.draws._pending]),
+        ("rfa-snis", {"num_features": 8}, lambda e: [e.draws._pending]),
+    ):
+        m = _model(name, opts)
+        x = torch.randn(2, 6, 16, dtype=torch.float64, requires_grad=True)
+        for _ in range(20):
+            outs = [checkpoint(lambda t, m=m: m(t)[0], x, use_reentrant=reentrant) for _ in range(2)]
+            assert max(len(p) for p in pendings(m.estimator)) == 2
+            sum(o.square().sum() for o in outs).backward()
+            with torch.no_grad():
+                m(x)
+            del outs
+        assert [len(p) for p in pendings(m.estimator)] == [0] * len(pendings(m.estimator)), name
+        assert [len(p._items) for p in pendings(m.estimator)] == [0] * len(pendings(m.estimator)), name
+        policy = getattr(m.estimator, "redraw_policy", None)
+        assert policy is None or policy._latest is None
+
+
+def test_plain_calls_record_nothing() -> None:
+    """Outside a checkpoint (gradients on, no saved-tensor hooks; a validation call under
+    ``torch.no_grad()``) no call is identified and nothing is recorded."""
+    m = _model("ra", {"num_features": 4})
+    x = torch.randn(2, 6, 16, dtype=torch.float64, requires_grad=True)
+    m(x)[0].sum().backward()
+    with torch.no_grad():
+        m(x)
+    assert redraw.checkpoint_token() is None
+    assert len(m.estimator.draws._pending._items) == 0

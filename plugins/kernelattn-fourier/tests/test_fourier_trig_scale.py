@@ -13,7 +13,7 @@ from kernelattn_fourier.feature_maps import TrigSoftmaxFeatures
 
 import kernelattn_core as ka
 from kernelattn_core import FeatureMapAttention
-from kernelattn_core.errors import DomainError
+from kernelattn_core.toolkit import DomainError
 
 TRIG = ("trig-softmax", "trig-softmax-features")
 

@@ -322,6 +322,9 @@ class RandomMaclaurinFeatures(FeatureMap):
         self.check = check
         self._groups_cache: list[tuple[int, int]] | None = None
         self._weights_cache: torch.Tensor | None = None
+        #: the ``degrees`` tensor the caches above belong to: a replay that puts another
+        #: call's buffers in the map (an activation checkpoint's recompute) invalidates them
+        self._cache_key: torch.Tensor | None = None
         if num_features is not None and mode == "released" and num_features < 2:
             raise InputError(
                 f"num_features: released mode needs D >= 2 (one constant + random features), got {num_features}"
@@ -365,6 +368,7 @@ class RandomMaclaurinFeatures(FeatureMap):
     def weights(self) -> torch.Tensor:
         """``[D]`` float64 (CPU) feature weights, derived from :attr:`degrees` (exact to one
         rounding whatever the module's dtype; not stored in the state dict)."""
+        self._check_cache()
         if self._weights_cache is None:
             with torch.inference_mode(False):  # a cache filled under inference mode serves training too
                 self._weights_cache = self._weights(self.degrees.cpu())
@@ -373,7 +377,15 @@ class RandomMaclaurinFeatures(FeatureMap):
     @weights.setter
     def weights(self, value: torch.Tensor) -> None:
         """Override the weights of the current draw (for experiments and negative controls)."""
+        self._check_cache()
         self._weights_cache = value.detach().to(device="cpu", dtype=torch.float64)
+
+    def _check_cache(self) -> None:
+        """Drop the caches when ``degrees`` is no longer the tensor they were made from."""
+        if getattr(self, "_cache_key", None) is not self.degrees:
+            self._groups_cache = None
+            self._weights_cache = None
+            self._cache_key = self.degrees
 
     def _weights(self, degrees: torch.Tensor) -> torch.Tensor:
         """``[D]`` float64: :math:`\\sqrt{a_N/P[N]/R}` (and :math:`\\sqrt{a_0}` first in released mode)."""
@@ -389,6 +401,7 @@ class RandomMaclaurinFeatures(FeatureMap):
 
     def groups(self) -> list[tuple[int, int]]:
         """``[(n, c_n), ...]``: the distinct degrees of the draw and their counts, ascending."""
+        self._check_cache()
         if self._groups_cache is None:
             values, counts = torch.unique_consecutive(self.degrees.cpu(), return_counts=True)
             self._groups_cache = list(zip(values.tolist(), counts.tolist()))

@@ -19,10 +19,14 @@ from kernelattn_core.toolkit import (
     ErrorDecay,
     EstimateVariance,
     FusedFeatureSpec,
+    PendingDraws,
     SymbolicExpectation,
     UnbiasedKernelEstimate,
+    after_backward,
+    checkpoint_token,
     finite_rows,
     recomputing,
+    same_draws,
 )
 
 from . import adaptation
@@ -357,6 +361,20 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
         *CEXP_OPTION_CLAIMS,
     )
 
+    #: buffers that are no draw (A and the statistics, replayed here, not by RedrawPolicy)
+    _not_drawn: ClassVar[tuple[str, ...]] = (
+        "scale",
+        "matrix_q",
+        "matrix_k",
+        "running_mean_q",
+        "running_mean_k",
+        "running_var_q",
+        "running_var_k",
+        "running_second_q",
+        "running_second_k",
+        "num_batches_tracked",
+    )
+
     def __init__(
         self,
         head_dim: int | None = None,
@@ -391,6 +409,10 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
         if self._matrix_option is not None and self._matrix_option.dim() > 2:
             raise InputError(f"matrix: expected a float, a [d] vector or a [d, d] matrix, got {matrix!r}")
         super().__init__(head_dim, num_features, orthogonal=orthogonal, norm=norm, generator=generator)
+        #: A (its buffers, by reference) of checkpointed training calls whose recompute may come
+        self._adapted = PendingDraws()
+        #: the last call's A while a recompute shows an earlier call's
+        self._adapted_latest: dict[str, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ layout
     @property
@@ -520,6 +542,39 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
             self.matrix_q.copy_(eye)
             self.matrix_k.copy_(eye)
 
+    def _a_names(self) -> tuple[str, ...]:
+        return ("scale",) if self.diagonal else ("matrix_q", "matrix_k")
+
+    def _a_now(self) -> dict[str, torch.Tensor]:
+        return {n: self._buffers[n] for n in self._a_names()}  # type: ignore[misc]
+
+    def _own_a(self) -> None:
+        """Before :math:`A` changes in place: end a replay, and give the map copies of A's
+        buffers while a checkpointed call's recompute still needs the current ones."""
+        self._end_a_replay()
+        if len(self._adapted):
+            for n in self._a_names():
+                self._buffers[n] = self._buffers[n].clone()  # type: ignore[union-attr]
+
+    def _replay_a(self) -> None:
+        """In a checkpoint recompute: show the :math:`A` of the call it replays until the
+        backward pass ends."""
+        shown = self._a_now()
+        latest = self._adapted_latest if self._adapted_latest is not None else shown
+        want = self._adapted.replay(latest, f"{self.name}'s data-adapted matrix A (rule={self.rule!r})")
+        if same_draws(want, shown):
+            return
+        self._buffers.update(want)  # type: ignore[arg-type]
+        if self._adapted_latest is None:
+            self._adapted_latest = latest
+            after_backward(self._end_a_replay)
+
+    def _end_a_replay(self) -> None:
+        """Put the last call's :math:`A` back after a replay (the end of the backward pass)."""
+        if self._adapted_latest is not None:
+            latest, self._adapted_latest = self._adapted_latest, None
+            self._buffers.update(latest)  # type: ignore[arg-type]
+
     @torch.no_grad()
     def prepare(
         self,
@@ -540,8 +595,13 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
           only (:math:`A = I` before the first), because this batch's statistics
           include later tokens and would leak them into earlier outputs;
         * the recompute of an activation checkpoint (a training call inside a backward
-          pass, :func:`~kernelattn_core.redraw.recomputing`): nothing; :math:`A` is the one
-          the call it replays set, and no statistic is updated.
+          pass, :func:`~kernelattn_core.redraw.recomputing`): no statistic is updated and
+          :math:`A` is the one the call it replays set: a training call inside a checkpoint
+          records its :math:`A` (by reference, kept until the checkpoint's graph is freed;
+          :math:`A` is then changed in copies), and a recompute of an earlier call than the
+          last shows that call's :math:`A` until the backward pass ends. A recompute that
+          cannot be matched to its call while another pending call had another :math:`A`
+          raises :class:`~kernelattn_core.errors.ReplayError`.
 
         Padded keys (``key_padding_mask``) enter no statistic.
 
@@ -561,13 +621,15 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
         for arg, x in (("q", q), ("k", k)):  # before any statistic is copied into A
             if x.shape[-1] != self.head_dim:
                 raise InputError(f"{arg}: expected last dimension d = {self.head_dim}, got shape {tuple(x.shape)}")
+        if self.training and recomputing():
+            # an activation checkpoint's recompute replays the training call that made the
+            # output: A as that call set it, and the batch is not counted again
+            self._replay_a()
+            return
+        self._own_a()
         tracked = int(self.num_batches_tracked) > 0
         if not self.training:
             self._set_from_running() if tracked else self._set_identity()  # frozen
-            return
-        if recomputing():
-            # an activation checkpoint's recompute replays the training call that made the
-            # output: A stays as that call set it, and the batch is not counted again
             return
         full = self.rule == "full"
         if self.sync and _group_size() > 1:  # every replica: the statistics of the pooled batch
@@ -587,6 +649,9 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
             self._set_identity()
         if usable:
             self._update_running(mq, mk, self.momentum)
+        token = checkpoint_token()
+        if token is not None:
+            self._adapted.add(token, self._a_now())
 
     @torch.no_grad()
     def fit(self, x: torch.Tensor, y: torch.Tensor) -> ComplexExponentialFeatures:
@@ -598,6 +663,7 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
             self.build(x.shape[-1])
         if self.rule in ("identity", "fixed"):
             return self
+        self._own_a()
         full = self.rule == "full"
         mx, my = adaptation.moments(x, full=full), adaptation.moments(y, full=full)
         for arg, m, t in (("x", mx, x), ("y", my, y)):

@@ -26,13 +26,17 @@ from torch import nn
 from kernelattn_core import AttentionEstimator, InputError
 from kernelattn_core.toolkit import (
     ConsistentAttention,
+    MapState,
+    PendingDraws,
     QuadratureIdentity,
     RedrawPolicy,
     SymbolicExpectation,
     UnbiasedAttention,
+    after_backward,
     allowed_pairs,
     check_choice,
     check_positive_int,
+    checkpoint_token,
     compute_dtype,
     finite_rows,
     generator_for,
@@ -94,8 +98,13 @@ class _Draws(nn.Module):
 
     The recompute of an activation checkpoint (a forward call inside a backward pass,
     :func:`~kernelattn_core.redraw.recomputing`) is not a new call: it gets the generator
-    of the last training call again (the explicit generator's state before that call) and
+    of the call it recomputes again (the explicit generator's state before that call) and
     advances nothing, so it redraws exactly the samples of the forward pass it replays.
+    A training call inside a checkpoint records its call number (or generator state)
+    under that checkpoint (:class:`~kernelattn_core.redraw.PendingDraws`, dropped with the
+    checkpoint's graph), so several checkpointed calls before one backward pass each get
+    their own; a recompute that cannot be matched while pending calls drew differently
+    raises :class:`~kernelattn_core.errors.ReplayError`.
     """
 
     def __init__(self, seed: int | None, generator: torch.Generator | None) -> None:
@@ -108,6 +117,8 @@ class _Draws(nn.Module):
         self.register_buffer("calls", torch.tensor(0, dtype=torch.long))
         #: the explicit generator's state before the last training call (a recompute replays it)
         self._last_state: torch.Tensor | None = None
+        #: the draws of checkpointed training calls whose recompute may still come
+        self._pending = PendingDraws()
         #: called when the seed is agreed anew across ranks (the owner's derived seeds follow it)
         self.on_seed_agreed: Callable[[], None] | None = None
 
@@ -122,7 +133,7 @@ class _Draws(nn.Module):
 
     def next(self) -> torch.Generator:
         """The generator of the next training call (advances the schedule); in a checkpoint
-        recompute, the last training call's generator again (advances nothing)."""
+        recompute, the generator of the call it recomputes again (advances nothing)."""
         if recomputing():
             replay = self._replay()
             if replay is not None:
@@ -132,21 +143,41 @@ class _Draws(nn.Module):
         if self.generator is not None:
             if not torch.compiler.is_compiling():
                 self._last_state = self.generator.get_state()
+                self._note(self._last_state)
             return self.generator
-        g = generator_for(self.seed, int(self.calls))
+        call = int(self.calls)
+        g = generator_for(self.seed, call)
         self.calls += 1
+        self._note((self.seed, call))
         return g
 
-    def _replay(self) -> torch.Generator | None:
-        """The generator of the last training call, as it was then (``None``: no call yet)."""
+    def _note(self, draws: object) -> None:
+        """Record ``draws`` for the recompute, when this call runs inside a checkpoint."""
+        token = checkpoint_token()
+        if token is not None:
+            self._pending.add(token, draws)
+
+    def _latest(self) -> object | None:
+        """The draws of the last training call (``None``: no call yet)."""
         if self.generator is not None:
-            if self._last_state is None:
-                return None
-            g = torch.Generator(device=self.generator.device)
-            g.set_state(self._last_state)
-            return g
+            return self._last_state
         calls = int(self.calls)
-        return generator_for(self.seed, calls - 1) if calls > 0 else None
+        return (self.seed, calls - 1) if calls > 0 else None
+
+    def _replay(self) -> torch.Generator | None:
+        """The generator of the call the current recompute replays, as it was then (that of
+        the last training call when the recompute is not matched and no other pending
+        call drew differently; ``None``: no call yet)."""
+        latest = self._latest()
+        if latest is None:
+            return None
+        want = self._pending.replay(latest, "the sampling estimator's draws")
+        if torch.is_tensor(want):
+            device = self.generator.device if self.generator is not None else torch.device("cpu")
+            g = torch.Generator(device=device)
+            g.set_state(want)
+            return g
+        return generator_for(*want)  # type: ignore[misc]
 
     def extra_repr(self) -> str:
         return "generator=explicit" if self.generator is not None else f"seed={self.seed}"
@@ -460,6 +491,12 @@ class RFASNIS(AttentionEstimator):
                 f"q: {self.name!r} drew its samples for head dimension d = {fm.head_dim}, got d = {q.shape[-1]} "
                 f"(q shape {tuple(q.shape)}); use one estimator per head dimension"
             )
+        elif self.training and recomputing():
+            # the recompute's draw goes into copies: the map holds the last call's again
+            # once the backward pass ends (an earlier call's recompute may come last)
+            after_backward(MapState(fm).show)
+            MapState.detach_from(fm)
+            fm.redraw(generator=self.draws.next())
         elif self.training:
             fm.redraw(generator=self.draws.next())
         k, v = fn.drop_padded(k, v, key_padding_mask)
