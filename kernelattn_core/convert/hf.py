@@ -296,7 +296,7 @@ class HFKernelSelfAttention(nn.Module):
             raise InputError(
                 f"model: {type(module).__name__}.forward takes ({', '.join(params[1:4])}, ...) in this transformers "
                 "version; conversion supports modules called as forward(hidden_states, attention_mask, ...) "
-                "(transformers >= 4.48)"
+                "(transformers >= 5.24)"
             )
         names = _DISTIL if hasattr(module, "q_lin") else _BERT
         projections = {n: copy.deepcopy(getattr(module, n)) for n in names}
