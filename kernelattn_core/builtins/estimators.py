@@ -29,7 +29,7 @@ from ..engine.naive import (
 from ..engine.torch_backend import decode_one_finite
 from ..errors import InputError
 from ..interfaces.estimator import AttentionEstimator
-from ..interfaces.feature_map import FeatureMap
+from ..interfaces.feature_map import FeatureMap, prepare_takes_scale
 from ..interfaces.kernel import Kernel
 from ..interfaces.names import construct, resolve_class
 from ..interfaces.normalizer import Normalizer, takes_causal
@@ -484,7 +484,7 @@ class FeatureMapAttention(AttentionEstimator):
             or type(self)._pre is not FeatureMapAttention._pre
             or type(self)._attend_features is not FeatureMapAttention._attend_features
             or type(self.normalizer).pre is not Normalizer.pre
-            or (fm_cls.prepare is not FeatureMap.prepare and not fm_cls.prepare_takes_scale)
+            or (fm_cls.prepare is not FeatureMap.prepare and not prepare_takes_scale(fm_cls))
         ):
             return super()._attend_scaled(q, k, v, root, causal, key_padding_mask)
         return self._attend_features(q, k, v, causal, key_padding_mask, root)
@@ -504,7 +504,7 @@ class FeatureMapAttention(AttentionEstimator):
             self.redraw_policy.before_forward(fm, self.training)
         # with root != 1, _attend_scaled made sure that prepare is the base class's no-op or
         # takes the factor (prepare_takes_scale: it sees root * q, root * k, as the engine makes them)
-        if type(fm).prepare_takes_scale:
+        if prepare_takes_scale(type(fm)):
             fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal, scale=root)
         else:
             fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -12,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..errors import InputError
+from ..errors import InputError, PluginError
 from ..validation import check_budget, check_head_dim, check_positive_int, check_tensor, isolated_rows
 from .kernel import Kernel
 from .names import resolve_class
@@ -158,7 +160,9 @@ class FeatureMap(nn.Module, ABC):
         applies it group by group, with no scaled copy of the whole inputs) and calls
         ``prepare(q, k, ..., scale=root)`` with the unscaled inputs. ``False`` (the
         default): a map that overrides :meth:`prepare` is given scaled copies of the
-        inputs, and :meth:`prepare` is called without ``scale``.
+        inputs, and :meth:`prepare` is called without ``scale``. The flag counts only in
+        the body of the class that defines the ``prepare`` in use (a subclass overriding
+        ``prepare`` inherits no promise; :func:`prepare_takes_scale`).
     """
 
     name: ClassVar[str]
@@ -434,6 +438,31 @@ class FeatureMap(nn.Module, ABC):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, num_features={self.num_features}"
+
+
+@functools.cache
+def prepare_takes_scale(cls: type) -> bool:
+    """Whether feature-map attention may call ``cls.prepare(q, k, ..., scale=s)`` on the
+    unscaled inputs (:attr:`FeatureMap.prepare_takes_scale`).
+
+    The promise belongs to the class that defines the ``prepare`` in use: a subclass that
+    overrides ``prepare`` without declaring ``prepare_takes_scale = True`` in its own body
+    is given scaled copies and no ``scale``, as before the flag existed, whatever its
+    parents declare. A class that declares the flag beside a ``prepare`` that takes no
+    ``scale`` keyword is refused with :class:`~kernelattn_core.errors.PluginError`
+    naming both.
+    """
+    owner = next((c for c in cls.__mro__ if "prepare" in vars(c)), FeatureMap)
+    if owner is FeatureMap or not vars(owner).get("prepare_takes_scale", False):
+        return False
+    params = inspect.signature(owner.prepare).parameters.values()
+    if not any(p.name == "scale" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        raise PluginError(
+            f"{cls.__qualname__}: {owner.__qualname__} declares prepare_takes_scale = True but its prepare "
+            "takes no scale keyword; accept scale (a float, 1 by default: q and k are then the unscaled "
+            "inputs) or drop the flag"
+        )
+    return True
 
 
 def _build_before_load(module: FeatureMap, state_dict: dict, prefix: str, *args: Any) -> None:

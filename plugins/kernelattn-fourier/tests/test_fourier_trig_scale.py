@@ -117,3 +117,44 @@ def test_trig_softmax_prepare_reads_nothing_back_while_dynamo_traces(monkeypatch
         fm.prepare(q, k, scale=0.5)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     fm.prepare(q, k, scale=0.5)  # not refused, nothing read back
+
+
+def test_a_subclass_overriding_prepare_keeps_the_scaled_copies_and_no_scale() -> None:
+    """A subclass written before the flag (its own ``prepare(q, k, *, key_padding_mask,
+    causal)`` calling ``super()``) inherits no promise: it is given the scaled keys and
+    no ``scale`` (it failed with "unexpected keyword argument 'scale'", and a subclass
+    reading the keys saw them unscaled)."""
+    seen: list[float] = []
+
+    class Custom(TrigSoftmaxFeatures):
+        name = "trig-softmax-custom-test"
+
+        def prepare(self, q, k, *, key_padding_mask=None, causal=False):  # type: ignore[no-untyped-def]
+            seen.append(float(k.norm(dim=-1).max()))
+            super().prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)
+
+    est = FeatureMapAttention(Custom(num_features=8), seed=0)
+    q, k, v = _inputs(1.0, 4**-0.25, torch.float64)
+    out = est(q, k, v)
+    root = 4**-0.25
+    assert seen and abs(seen[0] - float((k * root).norm(dim=-1).max())) < 1e-9
+    ref = FeatureMapAttention(TrigSoftmaxFeatures(num_features=8), seed=0)(q, k, v)
+    torch.testing.assert_close(out, ref)
+
+
+def test_the_flag_beside_a_prepare_without_scale_is_refused_by_name() -> None:
+    """A map that declares ``prepare_takes_scale = True`` but whose ``prepare`` takes no
+    ``scale`` gets a PluginError naming the flag (a raw TypeError from the call before)."""
+    from kernelattn_core.toolkit import PluginError
+
+    class Broken(TrigSoftmaxFeatures):
+        name = "trig-softmax-broken-test"
+        prepare_takes_scale = True
+
+        def prepare(self, q, k, *, key_padding_mask=None, causal=False):  # type: ignore[no-untyped-def]
+            return None
+
+    est = FeatureMapAttention(Broken(num_features=8), seed=0)
+    q, k, v = _inputs(1.0, 4**-0.25, torch.float64)
+    with pytest.raises(PluginError, match="Broken declares prepare_takes_scale = True but its prepare takes no scale keyword"):
+        est(q, k, v)
