@@ -11,6 +11,7 @@ changes shape (``rmfa``) make torch raise ``CheckpointError``.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -325,3 +326,43 @@ def test_plain_calls_record_nothing() -> None:
         m(x)
     assert redraw.checkpoint_token() is None
     assert len(m.estimator.draws._pending._items) == 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hooks", ["several-groups", "save_on_cpu"])
+@pytest.mark.parametrize(
+    ("name", "opts"),
+    [
+        ("rmfa", {"num_features": 8, "redraw_every": 1}),
+        ("schoenbat", {"num_features": 8, "redraw_every": 1}),
+        ("prf", {"num_features": 8, "redraw_every": 1}),
+    ],
+)
+def test_two_calls_before_one_backward_recompute_with_their_own_draws(name, opts, hooks, causal, monkeypatch) -> None:
+    """The grouped engine recomputes a call's features in the backward pass (several
+    groups, or one group under saved-tensor hooks such as ``save_on_cpu``) with the map's
+    buffers as that call's forward pass saw them -- all of them: rmfa's and schoenbat's
+    integer ``degrees`` were left out, so with a redraw between two calls before one
+    backward the first call's gradients used the second call's degrees (q_proj off by up
+    to 800, silently). The reference backpropagates each call before the next (the same
+    draws: the schedule advances per call)."""
+    from kernelattn_core.engine import grouped
+
+    if hooks == "several-groups":
+        monkeypatch.setattr(grouped, "GROUP_BYTES", 2 * 2 * 16 * 8 * 64)  # 64-position groups
+
+    def grads(together: bool):  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        m = ka.KernelAttention(16, 2, estimator=name, batch_first=True, seed=1, causal=causal, **opts).double()
+        x1, x2 = (torch.randn(2, 200, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
+        ctx = torch.autograd.graph.save_on_cpu() if hooks == "save_on_cpu" else contextlib.nullcontext()
+        with ctx:
+            if together:
+                (m(x1)[0].square().sum() + m(x2)[0].square().sum()).backward()
+            else:
+                m(x1)[0].square().sum().backward()
+                m(x2)[0].square().sum().backward()
+        return m.q_proj.weight.grad, x1.grad, x2.grad
+
+    for got, want in zip(grads(True), grads(False)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)

@@ -130,8 +130,8 @@ class _Call:
     keep: bool
     #: how many of the trailing inputs are the map's parameters (the rest: the normaliser's)
     n_map: int
-    #: the map's floating buffers as the forward pass saw them (the backward recomputes the
-    #: features with these, even if a redraw or a running statistic changed them since)
+    #: the map's buffers as the forward pass saw them (the backward recomputes the features
+    #: with these, even if a redraw or a running statistic changed them since)
     buffers: dict[str, torch.Tensor]
 
     def spans(self, n: int) -> list[tuple[int, int]]:
@@ -673,7 +673,9 @@ def grouped_feature_attention(
     norm_params = [p for p in normalizer.parameters() if p.requires_grad] if grad and normalizer is not None else []
     keep = grad and any(t.requires_grad for t in (q, k, v, *map_params, *norm_params))
     mask = key_padding_mask.clone() if keep and key_padding_mask is not None else key_padding_mask
-    buffers = {name: t.clone() for name, t in fm.named_buffers() if t.is_floating_point()} if keep else {}
+    # every buffer, integer ones too (rmfa's degrees): a redraw before the backward pass
+    # replaces them, and the recompute must see the forward pass's
+    buffers = {name: t.clone() for name, t in fm.named_buffers()} if keep else {}
     call = _Call(fm, fm.log_space, mask, chunk, g, dtype, float(scale), normalizer, keep, len(map_params), buffers)
     fn = _GroupedCausal if causal else _GroupedNonCausal
     with autocast_off(q.device):
