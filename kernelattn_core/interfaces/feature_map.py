@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -179,6 +178,11 @@ class FeatureMap(nn.Module, ABC):
     default_normalizer: ClassVar[str] = "row"
     prepare_takes_scale: ClassVar[bool] = False
     claims: ClassVar[tuple[Any, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # decided once per class (prepare_takes_scale): read per call as a class attribute
+        cls._prepare_scale_verdict = _prepare_scale_verdict(cls)
 
     def __init__(
         self,
@@ -440,7 +444,6 @@ class FeatureMap(nn.Module, ABC):
         return f"head_dim={self.head_dim}, num_features={self.num_features}"
 
 
-@functools.cache
 def prepare_takes_scale(cls: type) -> bool:
     """Whether feature-map attention may call ``cls.prepare(q, k, ..., scale=s)`` on the
     unscaled inputs (:attr:`FeatureMap.prepare_takes_scale`).
@@ -450,14 +453,25 @@ def prepare_takes_scale(cls: type) -> bool:
     is given scaled copies and no ``scale``, as before the flag existed, whatever its
     parents declare. A class that declares the flag beside a ``prepare`` that takes no
     ``scale`` keyword is refused with :class:`~kernelattn_core.errors.PluginError`
-    naming both.
+    naming both. Decided once per class, when it is defined (a class attribute: no
+    lookup per call, nothing for ``torch.compile`` to trace).
     """
+    verdict = cls.__dict__.get("_prepare_scale_verdict")
+    if verdict is None:  # a class made without FeatureMap.__init_subclass__ (not expected)
+        verdict = _prepare_scale_verdict(cls)
+    if isinstance(verdict, str):
+        raise PluginError(verdict)
+    return verdict
+
+
+def _prepare_scale_verdict(cls: type) -> bool | str:
+    """:func:`prepare_takes_scale`'s answer for ``cls``, or the refusal's message."""
     owner = next((c for c in cls.__mro__ if "prepare" in vars(c)), FeatureMap)
     if owner is FeatureMap or not vars(owner).get("prepare_takes_scale", False):
         return False
     params = inspect.signature(owner.prepare).parameters.values()
     if not any(p.name == "scale" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        raise PluginError(
+        return (
             f"{cls.__qualname__}: {owner.__qualname__} declares prepare_takes_scale = True but its prepare "
             "takes no scale keyword; accept scale (a float, 1 by default: q and k are then the unscaled "
             "inputs) or drop the flag"
