@@ -151,18 +151,33 @@ def _stack_frame(recompute: bool) -> object | None:
     return None
 
 
-def _reentrant_context() -> object | None:
-    """The ``ctx`` of the reentrant checkpoint (``CheckpointFunction.forward``) on the
-    call stack, if any."""
+def _reentrant_contexts() -> list[object]:
+    """The ``ctx`` of every reentrant checkpoint (``CheckpointFunction.forward``) on the
+    call stack, innermost first."""
     code = _ckpt_internals()["forward"]
+    found: list[object] = []
     if code is None:
-        return None
+        return found
     f = sys._getframe(2)
     while f is not None:
         if f.f_code is code:
-            return f.f_locals.get("ctx")
+            ctx = f.f_locals.get("ctx")
+            if ctx is not None:
+                found.append(ctx)
         f = f.f_back
-    return None
+    return found
+
+
+def _reentrant_context() -> object | None:
+    """The ``ctx`` of the *outermost* reentrant checkpoint on the call stack, if any.
+
+    A reentrant checkpoint nested in another runs under the outer one's
+    ``torch.no_grad()`` forward: its own ``ctx`` is freed at once (its output is no part
+    of any graph), while the outer one's lives until the outer recompute, whose
+    :func:`torch._C._current_autograd_node` is that same node. The inner levels are
+    matched during that recompute (:meth:`PendingDraws.replay`)."""
+    found = _reentrant_contexts()
+    return found[-1] if found else None
 
 
 def _saved_tensor_hooks_active() -> bool:
@@ -179,9 +194,12 @@ def checkpoint_token() -> object | None:
     weakly by it (:class:`PendingDraws`) goes with the graph. Found from the top
     saved-tensor hooks, else from the call stack (further hooks such as
     :class:`torch.autograd.graph.save_on_cpu` above the checkpoint's; a reentrant
-    checkpoint's forward). ``None`` outside a checkpoint, while Dynamo traces and on a
-    torch whose checkpoint internals differ. A recompute of a checkpoint nested in the
-    recompute of another belongs to the outer one (its original call is not known).
+    checkpoint's forward; the outermost one when reentrant checkpoints are nested).
+    ``None`` outside a checkpoint, while Dynamo traces and on a torch whose checkpoint
+    internals differ. A recompute of a non-reentrant checkpoint nested in the recompute of
+    another belongs to the outer one (its original call is not known); a reentrant one
+    nested in a recompute is matched through the draws the outer recompute replayed
+    (:meth:`PendingDraws.replay`).
     Outside a checkpoint a call with gradients on and no saved-tensor hooks costs one
     query of those hooks; a call under ``torch.no_grad()`` also walks up the call stack.
     """
@@ -221,40 +239,97 @@ def same_draws(a: object, b: object) -> bool:
     return a == b
 
 
+def _graph_task() -> int:
+    """The id of the backward pass (graph task) that runs now; -1 outside one."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current() if current is not None else -1
+
+
+class _Record:
+    """The draws of the checkpointed calls of one checkpoint, in call order, and how far
+    the recompute of the backward pass ``task`` has replayed them."""
+
+    __slots__ = ("distinct", "draws", "next", "ref", "task")
+
+    def __init__(self, ref: weakref.ref, draws: object) -> None:
+        self.ref = ref
+        self.draws = [draws]
+        #: whether the calls drew differently (else every recompute takes the one draw)
+        self.distinct = False
+        self.task = -1
+        self.next = 0
+
+
 class PendingDraws:
     """The draws of checkpointed training calls whose recompute may still come.
 
     :meth:`add` keys a call's draws by its :func:`checkpoint_token`, held weakly: an entry
     disappears with its checkpoint's graph (after the backward pass, once nothing holds
     the output), so entries never accumulate across steps; a backward pass with
-    ``retain_graph=True`` can recompute again. Not copied by :func:`copy.deepcopy` nor
-    pickled (a copy starts empty).
+    ``retain_graph=True`` can recompute again. Several calls inside one checkpoint (a
+    weight-tied layer applied twice, ``checkpoint_sequential`` over a block that repeats
+    a layer) are kept in call order, and the recompute, which runs the same calls in the
+    same order, takes them one after the other; the count starts again in every backward
+    pass (a second one with ``retain_graph=True``, and after a non-reentrant recompute that
+    stopped early). Not copied by :func:`copy.deepcopy` nor pickled (a copy starts empty).
     """
 
     def __init__(self) -> None:
-        self._items: dict[int, tuple[weakref.ref, object]] = {}
+        self._items: dict[int, _Record] = {}
 
     def add(self, token: object, draws: object) -> None:
         key, items = id(token), self._items
+        entry = items.get(key)
+        if entry is not None and entry.ref() is token:  # another call inside the same checkpoint
+            entry.distinct = entry.distinct or not same_draws(draws, entry.draws[0])
+            entry.draws.append(draws)
+            return
 
         def drop(ref: weakref.ref, key: int = key, items: dict = items) -> None:
             entry = items.get(key)
-            if entry is not None and entry[0] is ref:
+            if entry is not None and entry.ref is ref:
                 del items[key]
 
-        items[key] = (weakref.ref(token, drop), draws)
+        items[key] = _Record(weakref.ref(token, drop), draws)
 
-    def get(self, token: object | None) -> object:
-        """The draws recorded for ``token``, or the module constant ``_MISSING``."""
+    def _entry(self, token: object | None) -> _Record | None:
         if token is None:
-            return _MISSING
+            return None
         entry = self._items.get(id(token))
-        if entry is None or entry[0]() is not token:
+        return entry if entry is not None and entry.ref() is token else None
+
+    def recorded(self, token: object | None) -> list[object]:
+        """The draws recorded for ``token``, one per call in call order (empty: none)."""
+        entry = self._entry(token)
+        return list(entry.draws) if entry is not None else []
+
+    def get(self, token: object | None, what: str = "a random layer") -> object:
+        """The draws the next recomputed call of ``token``'s checkpoint must use (the
+        calls' draws in call order, counted per backward pass), or the module constant
+        ``_MISSING``. A recompute that replays more calls than were recorded while they
+        drew differently raises :class:`ReplayError` naming ``what``."""
+        entry = self._entry(token)
+        if entry is None:
             return _MISSING
-        return entry[1]
+        if not entry.distinct:
+            return entry.draws[-1]
+        task = _graph_task()
+        if entry.task != task:
+            entry.task, entry.next = task, 0
+        if entry.next >= len(entry.draws):
+            raise ReplayError(
+                f"{what}: one layer was called {len(entry.draws)} times with different random draws "
+                "inside one activation checkpoint, and its recompute ran more calls of the layer than "
+                "that checkpoint's forward pass did, so the calls cannot be matched to their draws "
+                "(the recompute runs other calls than the forward pass: control flow that depends on "
+                "the data or on state). Make the draws fixed (redraw_every=0, an eval-mode layer) or "
+                "checkpoint each call of the layer separately."
+            )
+        entry.next += 1
+        return entry.draws[entry.next - 1]
 
     def values(self) -> list[object]:
-        return [v for ref, v in list(self._items.values()) if ref() is not None]
+        return [v for entry in list(self._items.values()) if entry.ref() is not None for v in entry.draws]
 
     def __len__(self) -> int:
         return len(self.values())
@@ -269,24 +344,38 @@ class PendingDraws:
         self._items = {}
 
     def replay(self, latest: object, what: str) -> object:
-        """The draws the current recompute must use: those recorded for its checkpoint,
-        else ``latest`` (the last training call's), unless another pending call used
-        different draws, which raises :class:`ReplayError` naming ``what``."""
-        found = self.get(checkpoint_token())
-        if found is not _MISSING:
-            return found
-        if any(not same_draws(v, latest) for v in self.values()):
-            raise ReplayError(
-                f"{what}: the recompute of an activation checkpoint could not be matched to the "
-                "forward call it replays, and another checkpointed call of the same layer is still "
-                "pending with other random draws, so its gradient would belong to other draws. "
-                "This happens when further saved-tensor hooks (save_on_cpu) run inside the "
-                "checkpoint, with nested checkpoints, or on a torch whose checkpoint internals "
-                "differ. Backpropagate each checkpointed call before the next training call of "
-                "this layer, drop the inner hooks, or make the draws fixed (redraw_every=0, an "
-                "eval-mode layer)."
-            )
-        return latest
+        """The draws the current recompute must use: those recorded for its checkpoint
+        (call by call, in call order), else ``latest`` (the last training call's), unless
+        another pending call used different draws, which raises :class:`ReplayError`
+        naming ``what``.
+
+        A reentrant checkpoint nested in the checkpoint being recomputed runs its forward
+        again during this recompute, under a new node that its own recompute (later in the
+        backward pass) will be matched by: the draws replayed now are recorded under every
+        such node on the call stack, so that recompute replays them too."""
+        token = checkpoint_token()
+        found = self.get(token, what)
+        if found is _MISSING:
+            if any(not same_draws(v, latest) for v in self.values()):
+                raise ReplayError(
+                    f"{what}: the recompute of an activation checkpoint could not be matched to the "
+                    "forward call it replays, and another checkpointed call of the same layer is still "
+                    "pending with other random draws, so its gradient would belong to other draws. "
+                    "This happens when further saved-tensor hooks (save_on_cpu) run inside the "
+                    "checkpoint, with a non-reentrant checkpoint nested in another checkpoint, or "
+                    "on a torch whose checkpoint internals differ. Backpropagate each checkpointed "
+                    "call before the next training call of this layer, drop the inner hooks, do not "
+                    "nest the checkpoints, or make the draws fixed (redraw_every=0, an eval-mode layer)."
+                )
+            found = latest
+        try:
+            inner = _reentrant_contexts()
+        except Exception:  # pragma: no cover - defensive: never fail a recompute over this
+            inner = []
+        for ctx in inner:
+            if ctx is not token:
+                self.add(ctx, found)
+        return found
 
 
 def after_backward(callback: Callable[[], None]) -> bool:
@@ -402,6 +491,9 @@ class RedrawPolicy(nn.Module):
         self._latest: MapState | None = None
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]
+        # loaded draws are never overwritten by a restore still pending from a recompute
+        # (a backward pass that raised before its end): the map keeps what is loaded into it
+        self._latest = None
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if prefix + "seed" in state_dict:  # a loaded seed is the same on every rank that loads it
             self._seed_settled = True
@@ -455,11 +547,12 @@ class RedrawPolicy(nn.Module):
         checkpoint records the map's buffers (:class:`MapState`, no copy; kept in
         :class:`PendingDraws` until its checkpoint's graph is freed, and a redraw while one
         is kept draws into new tensors); a recompute of an earlier call than the last one
-        puts that call's buffers in the map until the backward pass ends
-        (:func:`after_backward`), then the last call's back. The gradients, the map's
-        state and the schedule are therefore those of the same calls without
-        checkpointing. A recompute that cannot be
-        matched to its call while another pending call used another draw raises
+        puts that call's buffers in the map for its forward computation, and the caller
+        puts the last call's back right after it (:meth:`end_replay`, in a ``finally``;
+        else at the end of the backward pass, :func:`after_backward`, or at the next
+        training call). The gradients, the map's state and the schedule are therefore
+        those of the same calls without checkpointing. A recompute that cannot be matched
+        to its call while another pending call used another draw raises
         :class:`ReplayError`."""
         if not training:
             return
@@ -484,7 +577,7 @@ class RedrawPolicy(nn.Module):
 
     def _replay(self, feature_map: FeatureMap) -> None:
         """Show ``feature_map`` the draw of the call the current recompute replays, until
-        the backward pass ends (:meth:`_end_replay`)."""
+        :meth:`end_replay` (or the end of the backward pass, :meth:`_end_replay`)."""
         if not feature_map.random or not feature_map.built:
             return
         shown = MapState(feature_map)
@@ -497,10 +590,30 @@ class RedrawPolicy(nn.Module):
             self._latest = latest
             after_backward(self._end_replay)
 
+    def end_replay(self, feature_map: FeatureMap) -> None:
+        """After the forward computation of a checkpoint recompute: put the last training
+        call's buffers back in ``feature_map`` if the recompute showed it another call's,
+        and let the map's modules end replays of state of their own (a module's
+        ``_end_replay()``, as CEXP's :math:`A`). A no-op outside a recompute and when
+        nothing else was shown.
+
+        Call it in a ``finally`` right after the computation that used the replayed draws
+        (the recomputed graph holds the tensors it needs: the shown buffers themselves,
+        or the grouped engine's own copies), so that a backward pass that raises later (a
+        gradient hook, a non-finite guard) or a non-reentrant recompute stopped early never
+        leaves an earlier call's draws in the map."""
+        if self._latest is None and not recomputing():
+            return
+        self._end_replay()
+        for m in feature_map.modules():
+            end = getattr(m, "_end_replay", None)
+            if m is not self and callable(end):
+                end()
+
     def _end_replay(self) -> None:
-        """Put the last training call's buffers back in the map after a backward pass whose
-        recomputes showed it an earlier call's (queued at the end of that backward pass;
-        also at the next training call, in case the queue was not run)."""
+        """Put the last training call's buffers back in the map after a recompute that
+        showed it an earlier call's (:meth:`end_replay`; else queued at the end of that
+        backward pass, and also at the next training call, in case neither ran)."""
         if self._latest is not None:
             latest, self._latest = self._latest, None
             latest.show()

@@ -366,3 +366,267 @@ def test_two_calls_before_one_backward_recompute_with_their_own_draws(name, opts
 
     for got, want in zip(grads(True), grads(False)):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+# --------------------------------------------------------------------------- several calls, one checkpoint
+#: (estimator, options): random estimators, and ``redraw_every=0`` (fixed draws: the control)
+IN_ONE = [
+    ("prf", {"num_features": 8, "redraw_every": 1}),
+    ("prf", {"num_features": 8, "redraw_every": 0}),
+    ("ra", {"num_features": 4}),
+    ("rfa-snis", {"num_features": 8}),
+    ("cexp", {"num_features": 8}),
+    ("cexp", {"num_features": 8, "redraw_every": 1}),
+    ("rmfa", {"num_features": 8, "redraw_every": 1}),
+    ("schoenbat", {"num_features": 8, "redraw_every": 1}),
+]
+
+
+class _Half(torch.nn.Module):
+    """``m(t)[0] * 0.5``: the layer as a module (``checkpoint_sequential`` takes modules)."""
+
+    def __init__(self, m: torch.nn.Module) -> None:
+        super().__init__()
+        self.m = m
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.m(t)[0] * 0.5
+
+
+def _in_one_checkpoint(name: str, opts: dict[str, object], reentrant: bool | None, form: str) -> list[tuple]:
+    """Two steps, each calling one layer twice inside ONE checkpoint (when ``reentrant`` is
+    given): ``"tied"`` (the layer on its own output), ``"sequential"``
+    (``checkpoint_sequential`` over ``nn.Sequential(layer, layer)``, one segment) or
+    ``"two-outputs"`` (two inputs, two outputs, each loss backpropagated on its own: two
+    backward passes recompute the same checkpoint)."""
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    m = _model(name, opts)
+    half = _Half(m)
+    record = []
+    for step in range(2):
+        xs = [
+            torch.randn(2, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * step + i))
+            for i in range(2)
+        ]
+        for x in xs:
+            x.requires_grad_()
+        m.zero_grad()
+        if form == "tied":
+
+            def block(t: torch.Tensor) -> torch.Tensor:
+                return half(half(t))
+
+            out = block(xs[0]) if reentrant is None else checkpoint(block, xs[0], use_reentrant=reentrant)
+            out.square().sum().backward()
+        elif form == "sequential":
+            # a list: nn.Sequential(half, half).children() holds the layer once; the first
+            # of the two segments (both calls) is checkpointed, the last runs plainly
+            fns = [half, half, torch.nn.Identity(), torch.nn.Identity()]
+            seq = torch.nn.Sequential(*fns)
+            out = seq(xs[0]) if reentrant is None else checkpoint_sequential(fns, 2, xs[0], use_reentrant=reentrant)
+            out.square().sum().backward()
+        else:
+
+            def pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return half(a), half(b)
+
+            o1, o2 = pair(*xs) if reentrant is None else checkpoint(pair, *xs, use_reentrant=reentrant)
+            o1.square().sum().backward(retain_graph=True)
+            o2.square().sum().backward()
+        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        state = {k: t.clone() for k, t in m.estimator.state_dict().items() if torch.is_tensor(t)}
+        inputs = [x.grad.clone() for x in xs if x.grad is not None]
+        record.append((inputs, grads, state))
+    return record
+
+
+@pytest.mark.parametrize("form", ["tied", "sequential", "two-outputs"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize(("name", "opts"), IN_ONE, ids=[f"{n}-{o}" for n, o in IN_ONE])
+def test_one_layer_called_twice_inside_one_checkpoint_has_the_plain_gradients(name, opts, reentrant, form) -> None:
+    """Both calls of a weight-tied layer inside one checkpoint share its token: the second
+    call's record replaced the first's, whose recompute then used the second call's
+    draws (q_proj grad off 0.005-0.03, silently). The calls are kept in call order and
+    the recompute takes them in that order, counted anew in every backward pass (two
+    backward passes recomputing the same checkpoint, ``"two-outputs"``). With fixed
+    draws (``redraw_every=0``, the control) the gradients were right before too."""
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    plain = _in_one_checkpoint(name, opts, None, form)
+    ckpt = _in_one_checkpoint(name, opts, reentrant, form)
+    for step, ((x0, g0, s0), (x1, g1, s1)) in enumerate(zip(plain, ckpt)):
+        assert g1.keys() == g0.keys() and len(x1) == len(x0)
+        pairs = [(f"input {i} grad", a, b) for i, (a, b) in enumerate(zip(x1, x0))]
+        pairs += [(k, g1[k], g0[k]) for k in g0]
+        for what, got, want in pairs:
+            close = torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+            assert close, f"step {step} {what}: max diff {float((got - want).abs().max()):.3g}"
+        differ = [k for k in s0 if not torch.equal(s0[k], s1[k])]
+        assert not differ, f"step {step}: estimator state differs after the checkpointed step: {differ}"
+
+
+def test_a_recompute_running_more_calls_than_recorded_raises() -> None:
+    """The calls inside one checkpoint are matched by their order: a recompute that runs
+    the layer more often than the forward pass did (control flow on state) cannot be
+    matched and raises ``ReplayError`` naming the case, never takes another call's draws."""
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    m = _model("prf", {"num_features": 8, "redraw_every": 1})
+    x = torch.randn(2, 6, 16, dtype=torch.float64, requires_grad=True)
+    runs = []
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        runs.append(1)
+        for _ in range(2 if len(runs) == 1 else 3):  # the recompute calls the layer once more
+            t = m(t)[0] * 0.5
+        return t
+
+    # reentrant: its recompute runs the whole block (a non-reentrant one stops once it has
+    # recomputed what the forward pass saved)
+    out = checkpoint(block, x, use_reentrant=True)
+    with pytest.raises(redraw.ReplayError, match="called 2 times with different random draws inside one"):
+        out.square().sum().backward()
+
+
+# --------------------------------------------------------------------------- nested checkpoints
+NESTED = [
+    ("prf", {"num_features": 8, "redraw_every": 1}),
+    ("ra", {"num_features": 4}),
+    ("rfa-snis", {"num_features": 8}),
+    ("cexp", {"num_features": 8}),
+]
+
+
+def _nested(name: str, opts: dict[str, object], outer: bool | None, inner: bool | None, depth: int) -> torch.Tensor:
+    """The q_proj gradient of two blocks before one backward pass, each block a checkpoint
+    (``use_reentrant=outer``) around ``depth`` nested checkpoints (``use_reentrant=inner``)
+    around the layer called twice; plain when ``outer`` is ``None``."""
+    m = _model(name, opts)
+    xs = [
+        torch.randn(2, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(i), requires_grad=True)
+        for i in range(2)
+    ]
+
+    def layer(t: torch.Tensor) -> torch.Tensor:
+        t = m(t)[0] * 0.5
+        return m(t)[0] * 0.5
+
+    def level(t: torch.Tensor, d: int) -> torch.Tensor:
+        t = t * 1.0
+        if d == 0 or outer is None:
+            return layer(t)
+        return checkpoint(level, t, d - 1, use_reentrant=inner)
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        return level(t, depth)
+
+    outs = [block(x) if outer is None else checkpoint(block, x, use_reentrant=outer) for x in xs]
+    sum(o.square().sum() for o in outs).backward()
+    return m.q_proj.weight.grad.clone()
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize(("name", "opts"), NESTED, ids=[f"{n}-{o}" for n, o in NESTED])
+def test_reentrant_checkpoints_nested_in_a_reentrant_one_have_the_plain_gradients(name, opts, depth) -> None:
+    """A reentrant checkpoint nested in a reentrant one, two blocks before one backward
+    pass: the call was recorded under the inner checkpoint, freed at once under the outer
+    one's ``no_grad`` forward, so its recompute was unmatched with nothing pending and
+    silently took the last block's draws (q_proj off up to 2.4). The call is now
+    recorded under the outermost checkpoint, the outer recompute replays it and records
+    what it replayed under the inner checkpoints it runs again, whose recomputes follow."""
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    want = _nested(name, opts, None, None, depth)
+    got = _nested(name, opts, True, True, depth)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize(("outer", "inner"), [(False, True), (True, False)])
+def test_mixed_nested_checkpoints_with_two_blocks_raise(outer, inner) -> None:
+    """Mixed nestings (reentrant in non-reentrant and the reverse) cannot be matched:
+    ``ReplayError``, never another block's draws (the control for the test above)."""
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    with pytest.raises(redraw.ReplayError, match="could not be matched"):
+        _nested("prf", {"num_features": 8, "redraw_every": 1}, outer, inner, 1)
+
+
+# --------------------------------------------------------------------------- a backward pass that raises
+def _feature_buffers(m: ka.KernelAttention) -> dict[str, torch.Tensor]:
+    fm = m.estimator.features if hasattr(m.estimator, "features") else m.estimator.feature_map
+    return {k: t.clone() for k, t in fm.state_dict().items() if t.is_floating_point()}
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize(
+    ("name", "opts"),
+    [
+        ("prf", {"num_features": 8, "redraw_every": 1}),
+        ("cexp", {"num_features": 8, "redraw_every": 1}),
+        ("rfa-snis", {"num_features": 8}),
+    ],
+)
+def test_a_backward_pass_that_raises_leaves_the_last_calls_draws(name, opts, reentrant) -> None:
+    """Two checkpointed calls, then a backward pass that raises after the first call's
+    recompute (a gradient hook, as a non-finite guard): the last call's draws were put
+    back only at the end of the backward pass, which never came, so the map kept the
+    first call's draws (omega off up to 3.3; cexp's A, rfa-snis' samples too) and a later
+    ``load_state_dict`` was overwritten by the stale restore at the next training call.
+    They are put back right after the recompute's computation now, and loading drops any
+    restore still pending."""
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    m = _model(name, opts)
+    xs = [
+        torch.randn(2, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(i), requires_grad=True)
+        for i in range(2)
+    ]
+
+    def guard(g: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("non-finite gradient guard")
+
+    xs[0].register_hook(guard)
+    o1 = checkpoint(lambda t: m(t)[0], xs[0], use_reentrant=reentrant)
+    o2 = checkpoint(lambda t: m(t)[0], xs[1], use_reentrant=reentrant)
+    last = _feature_buffers(m)
+    with pytest.raises(RuntimeError, match="non-finite gradient guard"):
+        (o1.square().sum() + o2.square().sum()).backward()
+    now = _feature_buffers(m)
+    assert now.keys() == last.keys()
+    differ = {k: float((now[k] - last[k]).abs().max()) for k in now if not torch.equal(now[k], last[k])}
+    assert not differ, f"the map holds another call's draws after the failed backward pass: {differ}"
+    policy = getattr(m.estimator, "redraw_policy", None)
+    assert policy is None or policy._latest is None
+    if policy is None:  # rfa-snis draws at every training call: nothing to keep across one
+        return
+    # recovery: load a state with recognisable draws, no redraw due at the next call
+    sd = {k: t.clone() for k, t in m.state_dict().items()}
+    drawn = [k for k in sd if k.rsplit(".", 1)[-1] == "omega"]
+    assert drawn
+    for k in drawn:
+        sd[k] = torch.full_like(sd[k], 0.125)
+    sd["estimator.redraw_policy.step"] = torch.tensor(0)
+    del o1, o2
+    m.load_state_dict(sd)
+    m(torch.randn(2, 6, 16, dtype=torch.float64))
+    after = m.state_dict()
+    assert all(torch.all(after[k] == 0.125) for k in drawn), "the loaded draws were overwritten"
+
+
+def test_load_state_dict_drops_a_pending_restore() -> None:
+    """A restore still pending from a recompute (a caller that does not end its replay,
+    and a backward pass that raised) never overwrites loaded draws."""
+    m = _model("prf", {"num_features": 8, "redraw_every": 1})
+    m(torch.randn(2, 6, 16, dtype=torch.float64))
+    policy, fm = m.estimator.redraw_policy, m.estimator.feature_map
+    stale = redraw.MapState(fm)
+    redraw.MapState.detach_from(fm)  # the map shows other tensors, the stale restore is pending
+    policy._latest = stale
+    sd = {k: t.clone() for k, t in m.state_dict().items()}
+    sd["estimator.feature_map.omega"] = torch.full_like(sd["estimator.feature_map.omega"], 0.125)
+    sd["estimator.redraw_policy.step"] = torch.tensor(0)
+    m.load_state_dict(sd)
+    assert policy._latest is None
+    m(torch.randn(2, 6, 16, dtype=torch.float64))
+    assert torch.all(fm.omega == 0.125)

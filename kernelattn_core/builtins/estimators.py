@@ -502,31 +502,39 @@ class FeatureMapAttention(AttentionEstimator):
             # agrees a seed taken before the process group existed (and remakes the draw with
             # it) at the first training call after it, then advances the redraw schedule
             self.redraw_policy.before_forward(fm, self.training)
-        # with root != 1, _attend_scaled made sure that prepare is the base class's no-op or
-        # takes the factor (prepare_takes_scale: it sees root * q, root * k, as the engine makes them)
-        if prepare_takes_scale(type(fm)):
-            fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal, scale=root)
-        else:
-            fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)
-        problem = Problem(q.device, q.dtype, fm.log_space, causal, torch.is_grad_enabled())
-        prefer = preferred_backend(self, self.backend)  # kernel_attention(backend=) for this call
-        backend = select_backend(problem, prefer)
-        self.last_backend = backend.name
-        # fused (features on chip) when the backend and the map allow it, else materialised;
-        # the torch backend normalises group by group
-        out = attend_normalized(
-            backend,
-            fm,
-            self.normalizer,
-            q,
-            k,
-            v,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            chunk_size=self.chunk_size,
-            scale=root,
-            fallback=self._fell_back if prefer is None else None,
-        )
+        try:
+            # with root != 1, _attend_scaled made sure that prepare is the base class's no-op or
+            # takes the factor (prepare_takes_scale: it sees root * q, root * k, as the engine makes them)
+            if prepare_takes_scale(type(fm)):
+                fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal, scale=root)
+            else:
+                fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)
+            problem = Problem(q.device, q.dtype, fm.log_space, causal, torch.is_grad_enabled())
+            prefer = preferred_backend(self, self.backend)  # kernel_attention(backend=) for this call
+            backend = select_backend(problem, prefer)
+            self.last_backend = backend.name
+            # fused (features on chip) when the backend and the map allow it, else materialised;
+            # the torch backend normalises group by group
+            out = attend_normalized(
+                backend,
+                fm,
+                self.normalizer,
+                q,
+                k,
+                v,
+                causal=causal,
+                key_padding_mask=key_padding_mask,
+                chunk_size=self.chunk_size,
+                scale=root,
+                fallback=self._fell_back if prefer is None else None,
+            )
+        finally:
+            if self.training:
+                # a checkpoint recompute that showed the map an earlier call's draws (or A)
+                # puts the last call's back now: its graph holds the tensors it used (the
+                # grouped engine its own copies), and a backward pass that raises later, or
+                # a recompute stopped early, leaves no earlier call's draws in the map
+                self.redraw_policy.end_replay(fm)
         return self._post(out).to(v.dtype)
 
     def _fell_back(self, backend: Backend) -> None:

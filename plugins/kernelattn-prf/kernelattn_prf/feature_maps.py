@@ -558,7 +558,9 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
 
     def _replay_a(self) -> None:
         """In a checkpoint recompute: show the :math:`A` of the call it replays until the
-        backward pass ends."""
+        features are computed (:meth:`_end_replay`, which the estimator calls right after
+        the recompute's forward computation; else at the end of the backward pass or
+        at the next call)."""
         shown = self._a_now()
         latest = self._adapted_latest if self._adapted_latest is not None else shown
         want = self._adapted.replay(latest, f"{self.name}'s data-adapted matrix A (rule={self.rule!r})")
@@ -570,10 +572,22 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
             after_backward(self._end_a_replay)
 
     def _end_a_replay(self) -> None:
-        """Put the last call's :math:`A` back after a replay (the end of the backward pass)."""
+        """Put the last call's :math:`A` back after a replay (right after the recompute's
+        forward computation, :meth:`RedrawPolicy.end_replay`; else the end of the backward
+        pass, or the next call)."""
         if self._adapted_latest is not None:
             latest, self._adapted_latest = self._adapted_latest, None
             self._buffers.update(latest)  # type: ignore[arg-type]
+
+    def _end_replay(self) -> None:
+        """Called by :meth:`~kernelattn_core.redraw.RedrawPolicy.end_replay` after a recompute."""
+        self._end_a_replay()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]
+        # a loaded A is never overwritten by a restore still pending from a recompute (a
+        # backward pass that raised before its end): the map keeps what is loaded into it
+        self._adapted_latest = None
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @torch.no_grad()
     def prepare(
@@ -599,7 +613,8 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
           :math:`A` is the one the call it replays set: a training call inside a checkpoint
           records its :math:`A` (by reference, kept until the checkpoint's graph is freed;
           :math:`A` is then changed in copies), and a recompute of an earlier call than the
-          last shows that call's :math:`A` until the backward pass ends. A recompute that
+          last shows that call's :math:`A` for its forward computation (the last call's is
+          put back right after it). A recompute that
           cannot be matched to its call while another pending call had another :math:`A`
           raises :class:`~kernelattn_core.errors.ReplayError`.
 

@@ -32,7 +32,6 @@ from kernelattn_core.toolkit import (
     RedrawPolicy,
     SymbolicExpectation,
     UnbiasedAttention,
-    after_backward,
     allowed_pairs,
     check_choice,
     check_positive_int,
@@ -492,13 +491,24 @@ class RFASNIS(AttentionEstimator):
                 f"(q shape {tuple(q.shape)}); use one estimator per head dimension"
             )
         elif self.training and recomputing():
-            # the recompute's draw goes into copies: the map holds the last call's again
-            # once the backward pass ends (an earlier call's recompute may come last)
-            after_backward(MapState(fm).show)
+            # the recompute's draw goes into copies, and the map holds the last call's again
+            # right after the recompute's computation, whose graph holds the copies (a
+            # backward pass that raises later, or an early-stopped recompute, leaves no
+            # earlier call's draw in the map)
+            latest = MapState(fm)
             MapState.detach_from(fm)
-            fm.redraw(generator=self.draws.next())
+            try:
+                fm.redraw(generator=self.draws.next())
+                return self._attend_drawn(q, k, v, causal, key_padding_mask)
+            finally:
+                latest.show()
         elif self.training:
             fm.redraw(generator=self.draws.next())
+        return self._attend_drawn(q, k, v, causal, key_padding_mask)
+
+    def _attend_drawn(self, q, k, v, causal, key_padding_mask):  # type: ignore[no-untyped-def]
+        """The attention with the map's current draw."""
+        fm = self.features
         k, v = fn.drop_padded(k, v, key_padding_mask)
         if causal:
             from kernelattn_core.toolkit import Problem, select_backend
