@@ -156,5 +156,6 @@ def test_the_flag_beside_a_prepare_without_scale_is_refused_by_name() -> None:
 
     est = FeatureMapAttention(Broken(num_features=8), seed=0)
     q, k, v = _inputs(1.0, 4**-0.25, torch.float64)
-    with pytest.raises(PluginError, match="Broken declares prepare_takes_scale = True but its prepare takes no scale keyword"):
+    message = "Broken declares prepare_takes_scale = True but its prepare takes no scale keyword"
+    with pytest.raises(PluginError, match=message):
         est(q, k, v)
