@@ -14,13 +14,17 @@ under ``plugins/`` as distributions, so tests go through real entry points.
 * ``demo``   — installs everything and runs ``kernelattn compare`` (not default)
 * ``tasks``  — the task benchmarks of docs/tasks.rst: ``kernelattn tasks --preset seeds`` and
   ``--preset zoology``, their tables and figures (not default; about an hour on two cores)
+* ``floors`` — the declared minimum versions installed and the tests that use them run
+  (not default; about ten minutes)
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import nox
+import tomllib
 
 nox.options.sessions = ["lint", "tests", "docs"]
 nox.options.reuse_existing_virtualenvs = True
@@ -166,3 +170,83 @@ def demo(session: nox.Session) -> None:
     install_all(session, "plot,cli,hf")
     session.run("kernelattn", "plugins")
     session.run("kernelattn", "compare", "--plot", "compare.png", "--output", "compare.csv", *session.posargs)
+
+
+#: not installed at their floors by ``floors``: torch stays pinned (no older CPU wheel is
+#: reachable from CI), build tools, and what the session itself needs as it is
+FLOOR_SKIP = {"torch", "triton", "setuptools", "wheel", "kernelattn-core", "kernelattn-prf", "sphinx"}
+#: the tests that exercise each floor (the registry and plugins for pluggy, the symbolic
+#: checks for sympy / mpmath, the fourier oracle for scikit-learn, the figures for
+#: matplotlib, conversion and decoding for transformers; pytest, pytest-benchmark and
+#: hypothesis run them all)
+FLOOR_TESTS = (
+    "tests/test_registry.py",
+    "tests/test_registry_mistakes.py",
+    "tests/test_docs_plugin_pages.py",
+    "tests/test_verify.py",
+    "tests/test_verify_mistakes.py",
+    "tests/test_compare_figure.py",
+    "tests/test_convert.py",
+    "tests/test_decoder.py",
+    "plugins/kernelattn-maclaurin/tests",
+    "plugins/kernelattn-fourier/tests/test_fourier_oracle.py",
+)
+
+
+#: floors checked after the tests, without pytest (which needs newer versions of them)
+FLOOR_WITHOUT_PYTEST = ("pluggy",)
+#: builds the registry from the installed plugins' entry points and runs every estimator once
+FLOOR_REGISTRY_CHECK = """
+import importlib.metadata as md, torch, kernelattn_core as ka
+print("pluggy", md.version("pluggy"), "plugins", len(ka.list_plugins()))
+assert len(ka.list_plugins()) >= 7, ka.list_plugins()
+q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+for name in ("prf", "rff", "rmfa", "hedgehog", "ra", "cexp", "softmax"):
+    out = ka.kernel_attention(q, k, v, ka.create(name), causal=False)
+    assert bool(torch.isfinite(out).all()), name
+"""
+
+
+def declared_floors() -> dict[str, str]:
+    """``{package: version}``: the highest ``>=`` floor each package is given by the
+    dependencies and the ``test`` / ``hf`` / ``plot`` / ``cli`` extras of the core and the
+    plugins (the floors that apply when they are installed together)."""
+    floors: dict[str, str] = {}
+    for path in [ROOT / "pyproject.toml", *(Path(p) / "pyproject.toml" for p in PLUGINS)]:
+        project = tomllib.loads(path.read_text())["project"]
+        extras = project.get("optional-dependencies", {})
+        reqs = list(project.get("dependencies", []))
+        reqs += [r for e in ("test", "hf", "plot", "cli") for r in extras.get(e, [])]
+        for req in reqs:
+            m = re.fullmatch(r"\s*([A-Za-z0-9_.\-]+)\s*>=\s*([0-9][0-9.]*)\s*", req.split(";")[0])
+            if m is None or m.group(1).lower() in FLOOR_SKIP:
+                continue
+            name, version = m.group(1).lower(), m.group(2)
+            key = tuple(int(x) for x in version.split("."))
+            if name not in floors or key > tuple(int(x) for x in floors[name].split(".")):
+                floors[name] = version
+    return floors
+
+
+@nox.session(default=False)
+def floors(session: nox.Session) -> None:
+    """Install every declared floor (``declared_floors``) over the usual environment and run
+    the tests that use them: a floor that does not work fails here, not for a user. A
+    package that fails to import at its floor fails the session (a test that skips when
+    it is missing would skip silently)."""
+    install_all(session, "plot,cli,hf")
+    floors = declared_floors()
+    # pytest itself needs a newer pluggy (8.2: >= 1.5): pluggy's floor is checked after
+    # the tests, through the command line and the registry, without pytest
+    alone = {n: floors.pop(n) for n in FLOOR_WITHOUT_PYTEST if n in floors}
+    pins = [f"{n}=={v}" for n, v in sorted(floors.items())]
+    session.log("floors: " + " ".join(pins))
+    session.install(TORCH, *pins)
+    session.run("python", "-c", "import sympy, mpmath, sklearn, matplotlib, transformers")
+    session.run("pytest", *FLOOR_TESTS, "-p", "no:cacheprovider", *session.posargs, env={"OMP_NUM_THREADS": "2"})
+    for name, version in alone.items():
+        session.log(f"floor without pytest: {name}=={version}")
+        session.install(f"{name}=={version}")
+    session.run("python", "-c", FLOOR_REGISTRY_CHECK)
+    session.run("kernelattn", "plugins")
+    session.run("kernelattn", "verify", "prf", "--level", "quick", "--no-progress")

@@ -18,8 +18,12 @@ from kernelattn_fourier import claims as C
 from kernelattn_fourier.feature_maps import RandomFourierFeatures
 from kernelattn_fourier.kernels import GaussianKernel
 
+# skipped only when scikit-learn is absent: an install that fails to import (1.3 beside
+# numpy 2) is an error, not a silent skip
 sklearn_kernel_approximation = pytest.importorskip(
-    "sklearn.kernel_approximation", reason="scikit-learn is the outside oracle (pip install kernelattn-fourier[test])"
+    "sklearn.kernel_approximation",
+    reason="scikit-learn is the outside oracle (pip install kernelattn-fourier[test])",
+    exc_type=ModuleNotFoundError,
 )
 
 M, D, POINTS, REPS, ELL = 1024, 8, 40, 30, 1.5
