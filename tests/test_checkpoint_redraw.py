@@ -630,3 +630,25 @@ def test_load_state_dict_drops_a_pending_restore() -> None:
     assert policy._latest is None
     m(torch.randn(2, 6, 16, dtype=torch.float64))
     assert torch.all(fm.omega == 0.125)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_weights_override_holds_with_gradients_on(causal: bool) -> None:
+    """rmfa's documented ``weights`` override (negative controls) is used by a call with
+    gradients on as by one under no_grad, and stays set: the grouped engine keeps the
+    map's integer buffers by reference (a clone of ``degrees`` looked like a new draw to
+    the map's cache, which dropped the override silently)."""
+    torch.manual_seed(0)
+    est = ka.create("rmfa", num_features=16, seed=0, redraw_every=0).double().eval()
+    q, k, v = (0.3 * torch.randn(1, 2, 40, 8, dtype=torch.float64) for _ in range(3))
+    plain = ka.kernel_attention(q, k, v, est, causal=causal)
+    fm = est.feature_map
+    override = fm.weights * torch.linspace(0.2, 3.0, fm.weights.numel(), dtype=torch.float64)
+    fm.weights = override
+    with torch.no_grad():
+        without_grad = ka.kernel_attention(q, k, v, est, causal=causal)
+    qg = q.clone().requires_grad_()
+    with_grad = ka.kernel_attention(qg, k, v, est, causal=causal)
+    assert float((without_grad - plain).abs().max()) > 1e-3  # the override changes the output
+    torch.testing.assert_close(with_grad.detach(), without_grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fm.weights, override)

@@ -673,9 +673,11 @@ def grouped_feature_attention(
     norm_params = [p for p in normalizer.parameters() if p.requires_grad] if grad and normalizer is not None else []
     keep = grad and any(t.requires_grad for t in (q, k, v, *map_params, *norm_params))
     mask = key_padding_mask.clone() if keep and key_padding_mask is not None else key_padding_mask
-    # every buffer, integer ones too (rmfa's degrees): a redraw before the backward pass
-    # replaces them, and the recompute must see the forward pass's
-    buffers = {name: t.clone() for name, t in fm.named_buffers()} if keep else {}
+    # every buffer as this forward pass sees it, for the backward-time recompute: floating
+    # ones copied (redraws and statistics change them in place), the others (rmfa's integer
+    # degrees) by reference -- a redraw assigns new ones, and the map's caches keyed on the
+    # buffer object (rmfa's weights, a weights override) stay valid
+    buffers = {name: (t.clone() if t.is_floating_point() else t) for name, t in fm.named_buffers()} if keep else {}
     call = _Call(fm, fm.log_space, mask, chunk, g, dtype, float(scale), normalizer, keep, len(map_params), buffers)
     fn = _GroupedCausal if causal else _GroupedNonCausal
     with autocast_off(q.device):
