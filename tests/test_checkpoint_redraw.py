@@ -191,6 +191,19 @@ TWICE = [
 ]
 
 
+def _step_inputs(step: int) -> list[torch.Tensor]:
+    """The two inputs of a step (seeded by the step), requiring gradients."""
+    gens = [torch.Generator().manual_seed(10 * step + i) for i in range(2)]
+    return [torch.randn(2, 6, 16, dtype=torch.float64, generator=g).requires_grad_() for g in gens]
+
+
+def _after_step(m: torch.nn.Module, xs: list[torch.Tensor]) -> tuple:
+    """(input gradients, parameter gradients, estimator state) after a step."""
+    grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    state = {k: t.clone() for k, t in m.estimator.state_dict().items() if torch.is_tensor(t)}
+    return [x.grad.clone() for x in xs if x.grad is not None], grads, state
+
+
 def _two_calls(name: str, opts: dict[str, object], reentrant: bool | None, order: str) -> list[tuple]:
     """Two steps, each with two training calls of one layer before the backward pass:
     ``"sum"`` (two inputs, one loss), ``"tied"`` (the layer applied to its own output) or
@@ -199,12 +212,7 @@ def _two_calls(name: str, opts: dict[str, object], reentrant: bool | None, order
     m = _model(name, opts)
     record = []
     for step in range(2):
-        xs = [
-            torch.randn(2, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * step + i))
-            for i in range(2)
-        ]
-        for x in xs:
-            x.requires_grad_()
+        xs = _step_inputs(step)
         m.zero_grad()
 
         def layer(t: torch.Tensor) -> torch.Tensor:
@@ -223,11 +231,22 @@ def _two_calls(name: str, opts: dict[str, object], reentrant: bool | None, order
             else:
                 o1.square().sum().backward()
                 o2.square().sum().backward()
-        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-        state = {k: t.clone() for k, t in m.estimator.state_dict().items() if torch.is_tensor(t)}
-        inputs = [x.grad.clone() for x in xs if x.grad is not None]
-        record.append((inputs, grads, state))
+        record.append(_after_step(m, xs))
     return record
+
+
+def _assert_same_steps(plain, ckpt) -> None:  # type: ignore[no-untyped-def]
+    """Per step: input and parameter gradients within float64 rounding, and the
+    estimator's state after the step identical."""
+    for step, ((x0, g0, s0), (x1, g1, s1)) in enumerate(zip(plain, ckpt)):
+        assert g1.keys() == g0.keys() and len(x1) == len(x0)
+        pairs = [(f"input {i} grad", a, b) for i, (a, b) in enumerate(zip(x1, x0))]
+        pairs += [(k, g1[k], g0[k]) for k in g0]
+        for what, got, want in pairs:
+            close = torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+            assert close, f"step {step} {what}: max diff {float((got - want).abs().max()):.3g}"
+        differ = [k for k in s0 if not torch.equal(s0[k], s1[k])]
+        assert not differ, f"step {step}: estimator state differs after the checkpointed step: {differ}"
 
 
 @pytest.mark.parametrize("order", ["sum", "tied", "fifo"])
@@ -242,15 +261,7 @@ def test_two_checkpointed_calls_before_one_backward_have_the_plain_gradients(nam
     warnings.simplefilter("ignore")
     plain = _two_calls(name, opts, None, order)
     ckpt = _two_calls(name, opts, reentrant, order)
-    for step, ((x0, g0, s0), (x1, g1, s1)) in enumerate(zip(plain, ckpt)):
-        assert g1.keys() == g0.keys() and len(x1) == len(x0)
-        pairs = [(f"input {i} grad", a, b) for i, (a, b) in enumerate(zip(x1, x0))]
-        pairs += [(k, g1[k], g0[k]) for k in g0]
-        for what, got, want in pairs:
-            close = torch.allclose(got, want, rtol=1e-9, atol=1e-12)
-            assert close, f"step {step} {what}: max diff {float((got - want).abs().max()):.3g}"
-        differ = [k for k in s0 if not torch.equal(s0[k], s1[k])]
-        assert not differ, f"step {step}: estimator state differs after the checkpointed step: {differ}"
+    _assert_same_steps(plain, ckpt)
 
 
 @pytest.mark.parametrize(
@@ -370,16 +381,7 @@ def test_two_calls_before_one_backward_recompute_with_their_own_draws(name, opts
 
 # --------------------------------------------------------------------------- several calls, one checkpoint
 #: (estimator, options): random estimators, and ``redraw_every=0`` (fixed draws: the control)
-IN_ONE = [
-    ("prf", {"num_features": 8, "redraw_every": 1}),
-    ("prf", {"num_features": 8, "redraw_every": 0}),
-    ("ra", {"num_features": 4}),
-    ("rfa-snis", {"num_features": 8}),
-    ("cexp", {"num_features": 8}),
-    ("cexp", {"num_features": 8, "redraw_every": 1}),
-    ("rmfa", {"num_features": 8, "redraw_every": 1}),
-    ("schoenbat", {"num_features": 8, "redraw_every": 1}),
-]
+IN_ONE = [TWICE[0], ("prf", {"num_features": 8, "redraw_every": 0}), *TWICE[1:]]
 
 
 class _Half(torch.nn.Module):
@@ -405,12 +407,7 @@ def _in_one_checkpoint(name: str, opts: dict[str, object], reentrant: bool | Non
     half = _Half(m)
     record = []
     for step in range(2):
-        xs = [
-            torch.randn(2, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * step + i))
-            for i in range(2)
-        ]
-        for x in xs:
-            x.requires_grad_()
+        xs = _step_inputs(step)
         m.zero_grad()
         if form == "tied":
 
@@ -434,10 +431,7 @@ def _in_one_checkpoint(name: str, opts: dict[str, object], reentrant: bool | Non
             o1, o2 = pair(*xs) if reentrant is None else checkpoint(pair, *xs, use_reentrant=reentrant)
             o1.square().sum().backward(retain_graph=True)
             o2.square().sum().backward()
-        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-        state = {k: t.clone() for k, t in m.estimator.state_dict().items() if torch.is_tensor(t)}
-        inputs = [x.grad.clone() for x in xs if x.grad is not None]
-        record.append((inputs, grads, state))
+        record.append(_after_step(m, xs))
     return record
 
 
@@ -455,15 +449,7 @@ def test_one_layer_called_twice_inside_one_checkpoint_has_the_plain_gradients(na
     warnings.simplefilter("ignore")
     plain = _in_one_checkpoint(name, opts, None, form)
     ckpt = _in_one_checkpoint(name, opts, reentrant, form)
-    for step, ((x0, g0, s0), (x1, g1, s1)) in enumerate(zip(plain, ckpt)):
-        assert g1.keys() == g0.keys() and len(x1) == len(x0)
-        pairs = [(f"input {i} grad", a, b) for i, (a, b) in enumerate(zip(x1, x0))]
-        pairs += [(k, g1[k], g0[k]) for k in g0]
-        for what, got, want in pairs:
-            close = torch.allclose(got, want, rtol=1e-9, atol=1e-12)
-            assert close, f"step {step} {what}: max diff {float((got - want).abs().max()):.3g}"
-        differ = [k for k in s0 if not torch.equal(s0[k], s1[k])]
-        assert not differ, f"step {step}: estimator state differs after the checkpointed step: {differ}"
+    _assert_same_steps(plain, ckpt)
 
 
 def test_a_recompute_running_more_calls_than_recorded_raises() -> None:
