@@ -421,10 +421,11 @@ class MapState:
     def detach_from(feature_map: nn.Module) -> None:
         """Give ``feature_map`` copies of its buffers, so that an in-place redraw leaves
         the tensors a recorded state holds as they are."""
-        for m in feature_map.modules():
-            for name, t in _drawn(m).items():
-                if t is not None:
-                    m._buffers[name] = t.clone()
+        with torch.inference_mode(False):  # ordinary tensors, also for a redraw under inference mode
+            for m in feature_map.modules():
+                for name, t in _drawn(m).items():
+                    if t is not None:
+                        m._buffers[name] = t.clone()
 
     def show(self) -> None:
         """Put these buffers back in their modules (caches derived from buffers must be
@@ -566,8 +567,10 @@ class RedrawPolicy(nn.Module):
             if step > 0 and step % self.every == 0:
                 self._settle_seed()
                 self.draws += 1
-                if len(self._pending):  # a pending recompute still needs the current tensors
-                    MapState.detach_from(feature_map)
+                # the redraw writes into new tensors: a pending recompute, or a graph not yet
+                # differentiated that saved the current ones (a compiled call two calls back),
+                # still needs them as they are
+                MapState.detach_from(feature_map)
                 feature_map.redraw(generator=self.generator())
             self.step += 1
         if feature_map.random:

@@ -88,6 +88,30 @@ def test_a_fullgraph_compiled_training_step_equals_eager(name: str) -> None:
     dynamo.reset()
 
 
+def test_a_compiled_layer_redrawing_between_two_calls_before_one_backward_equals_eager() -> None:
+    """prf with ``redraw_every=1``, compiled, called twice before one backward pass: the
+    redraw of the second call wrote into the buffer the first call's compiled graph had
+    saved ("modified by an inplace operation" at backward). A redraw now writes into new
+    tensors; the gradients equal eager's."""
+    grads = []
+    for compile_it in (False, True):
+        dynamo.reset()
+        torch.manual_seed(0)
+        attn = ka.KernelAttention(16, 2, "prf", batch_first=True, seed=1, num_features=8, redraw_every=1).double()
+        run = torch.compile(attn, backend="aot_eager") if compile_it else attn  # graph breaks at the redraw
+        gen = torch.Generator().manual_seed(3)
+        xs = [torch.randn(2, 6, 16, dtype=torch.float64, generator=gen) for _ in range(2)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # Dynamo's own, at the graph break of the redraw
+            for _ in range(2):  # two steps, two calls each
+                attn.zero_grad()
+                sum(run(x)[0].square().sum() for x in xs).backward()
+        grads.append([p.grad.clone() for p in attn.parameters()])
+    dynamo.reset()
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     ("name", "causal", "padded", "poisoned"),
     [
