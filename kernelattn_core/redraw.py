@@ -109,14 +109,31 @@ def _ckpt_internals() -> dict[str, Any]:
     return _CKPT
 
 
-def _hook_frame(cell_name: str) -> object | None:
-    """The checkpoint frame a non-reentrant checkpoint's saved-tensor pack hook (the top
-    one) closes over: ``frame`` in the original forward, ``target_frame_ref`` in the
-    recompute; ``None`` when the top hook is no checkpoint's."""
+def _top_saved_tensor_hooks() -> tuple[Any, Any] | None:
+    """The innermost saved-tensor hooks in force, ``(pack, unpack)``, or ``None`` (none in
+    force; also while Dynamo traces, and on a torch without the query)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    hooks = top(True) if top is not None else None
-    if not hooks:
+    if top is None or torch.compiler.is_compiling():
         return None
+    try:
+        return top(True)
+    except Exception:  # pragma: no cover - defensive: never fail a forward call over this
+        return None
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks are in force (a non-reentrant activation checkpoint's,
+    :class:`torch.autograd.graph.save_on_cpu`). ``False`` while Dynamo traces and on a
+    torch without the query. The grouped engine then holds no one-group local graph (its
+    unpacking would re-run the checkpointed forward), and :func:`checkpoint_token` looks
+    for the checkpoint they belong to."""
+    return _top_saved_tensor_hooks() is not None
+
+
+def _hook_frame(hooks: tuple[Any, Any], cell_name: str) -> object | None:
+    """The checkpoint frame that the pack hook of ``hooks`` (the top ones) closes over:
+    ``frame`` in a non-reentrant checkpoint's original forward, ``target_frame_ref`` in
+    its recompute; ``None`` when they are no checkpoint's."""
     pack = hooks[0]
     pack = getattr(pack, "__wrapped__", pack)  # the recompute's hook is wrapped by dynamo.disable
     code, closure = getattr(pack, "__code__", None), getattr(pack, "__closure__", None)
@@ -180,11 +197,6 @@ def _reentrant_context() -> object | None:
     return found[-1] if found else None
 
 
-def _saved_tensor_hooks_active() -> bool:
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is not None and top(True) is not None
-
-
 def checkpoint_token() -> object | None:
     """The activation checkpoint the current forward call belongs to, or ``None``.
 
@@ -211,12 +223,11 @@ def checkpoint_token() -> object | None:
             node = torch._C._current_autograd_node()
             if node_kind is not None and isinstance(node, node_kind):
                 return node
-            return _hook_frame("target_frame_ref") or _stack_frame(recompute=True)
-        frame = _hook_frame("frame")
-        if frame is not None:
-            return frame
-        if _saved_tensor_hooks_active():
-            return _stack_frame(recompute=False)
+            hooks = _top_saved_tensor_hooks()
+            return (hooks and _hook_frame(hooks, "target_frame_ref")) or _stack_frame(recompute=True)
+        hooks = _top_saved_tensor_hooks()  # queried once per call
+        if hooks is not None:
+            return _hook_frame(hooks, "frame") or _stack_frame(recompute=False)
         if not torch.is_grad_enabled():
             return _reentrant_context()
     except Exception:  # pragma: no cover - defensive: never fail a forward call over this
@@ -297,11 +308,6 @@ class PendingDraws:
             return None
         entry = self._items.get(id(token))
         return entry if entry is not None and entry.ref() is token else None
-
-    def recorded(self, token: object | None) -> list[object]:
-        """The draws recorded for ``token``, one per call in call order (empty: none)."""
-        entry = self._entry(token)
-        return list(entry.draws) if entry is not None else []
 
     def get(self, token: object | None, what: str = "a random layer") -> object:
         """The draws the next recomputed call of ``token``'s checkpoint must use (the
@@ -397,7 +403,7 @@ class MapState:
     """The buffers of a feature map (and of its submodules) as one call saw them: the
     tensor objects themselves, not copies. Two states are equal when they hold the same
     objects. Keeping one is free as long as a redraw makes new tensors, which
-    :meth:`RedrawPolicy.before_forward` ensures while a recorded state is pending
+    :meth:`RedrawPolicy.before_forward` ensures before every scheduled redraw
     (:meth:`detach_from`). A module's buffers named in its ``_not_drawn`` attribute (state
     that is not a draw, kept by the module itself: CEXP's :math:`A` and statistics) are
     left out."""
@@ -610,7 +616,7 @@ class RedrawPolicy(nn.Module):
         self._end_replay()
         for m in feature_map.modules():
             end = getattr(m, "_end_replay", None)
-            if m is not self and callable(end):
+            if callable(end):
                 end()
 
     def _end_replay(self) -> None:

@@ -82,6 +82,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError
+from ..redraw import saved_tensor_hooks_active
 from ..validation import check_head_dim, finite_rows
 from .chunked import (
     DEFAULT_CHUNK,
@@ -341,8 +342,12 @@ class _GroupedCausal(torch.autograd.Function):
         spans = call.spans(n)
         # one group (a short sequence): its features' local graph is built now and held for
         # the backward pass, which then does not recompute them (the memory is one group's,
-        # the bound the grouping keeps anyway); several groups: recomputed group by group
-        hold = call.keep and len(spans) == 1 and not _saved_tensor_hooks_active()
+        # the bound the grouping keeps anyway); several groups: recomputed group by group.
+        # Not held under saved-tensor hooks (a non-reentrant checkpoint's, save_on_cpu):
+        # its tensors would be packed by them, and the backward's autograd.grad over it
+        # unpacked them one by one, each unpack re-running the checkpointed forward (4 runs
+        # per checkpointed step instead of 2), and what the checkpoint frees would be kept
+        hold = call.keep and len(spans) == 1 and not saved_tensor_hooks_active()
         ctx.held = ctx.tape = None
         for g0, g1 in spans:
             states.append(state)
@@ -409,7 +414,7 @@ class _GroupedNonCausal(torch.autograd.Function):
         # one key group and one query group (a short sequence): the features' local graphs
         # are built now and held for the backward pass, which then recomputes nothing
         hold = call.keep and len(call.spans(k.shape[2])) == 1 and len(call.spans(n)) == 1
-        hold = hold and not _saved_tensor_hooks_active()
+        hold = hold and not saved_tensor_hooks_active()
         ctx.held = None
         if hold:
             need = ctx.needs_input_grad[1:4]
@@ -567,24 +572,6 @@ def _bad_output_rows(num: torch.Tensor, den: torch.Tensor, g0: int, g1: int) -> 
         return None
     bad = ~(torch.isfinite(d) & finite_rows(n))
     return bad if bool(bad.any()) else None
-
-
-def _saved_tensor_hooks_active() -> bool:
-    """Whether saved-tensor hooks are in force (a non-reentrant activation checkpoint's,
-    ``torch.autograd.graph.save_on_cpu``): then a one-group call does not hold its local
-    graph for the backward pass. Held, its tensors were packed by those hooks, and the
-    backward's ``torch.autograd.grad`` over it (a graph task of its own) unpacked them
-    one by one: each unpack re-ran the checkpointed forward (a feature-map layer ran 4
-    times per checkpointed step instead of 2), and what the checkpoint frees would be
-    kept anyway. Not held, the backward recomputes the group's features, as for several
-    groups. ``False`` while Dynamo traces and on a torch without the query."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None or torch.compiler.is_compiling():
-        return False
-    try:
-        return top(True) is not None
-    except Exception:  # pragma: no cover - defensive: holding is only an optimisation
-        return False
 
 
 def _probe(fm: Any, q: torch.Tensor) -> None:

@@ -551,7 +551,7 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
     def _own_a(self) -> None:
         """Before :math:`A` changes in place: end a replay, and give the map copies of A's
         buffers while a checkpointed call's recompute still needs the current ones."""
-        self._end_a_replay()
+        self._end_replay()
         if len(self._adapted):
             for n in self._a_names():
                 self._buffers[n] = self._buffers[n].clone()  # type: ignore[union-attr]
@@ -569,19 +569,15 @@ class ComplexExponentialFeatures(PositiveRandomFeatures):
         self._buffers.update(want)  # type: ignore[arg-type]
         if self._adapted_latest is None:
             self._adapted_latest = latest
-            after_backward(self._end_a_replay)
+            after_backward(self._end_replay)
 
-    def _end_a_replay(self) -> None:
-        """Put the last call's :math:`A` back after a replay (right after the recompute's
-        forward computation, :meth:`RedrawPolicy.end_replay`; else the end of the backward
-        pass, or the next call)."""
+    def _end_replay(self) -> None:
+        """Put the last call's :math:`A` back after a replay: right after the recompute's
+        forward computation (:meth:`~kernelattn_core.redraw.RedrawPolicy.end_replay` calls
+        it); else at the end of the backward pass, or at the next call."""
         if self._adapted_latest is not None:
             latest, self._adapted_latest = self._adapted_latest, None
             self._buffers.update(latest)  # type: ignore[arg-type]
-
-    def _end_replay(self) -> None:
-        """Called by :meth:`~kernelattn_core.redraw.RedrawPolicy.end_replay` after a recompute."""
-        self._end_a_replay()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]
         # a loaded A is never overwritten by a restore still pending from a recompute (a
