@@ -575,3 +575,25 @@ def test_a_single_group_holds_its_graph_and_equals_the_recomputing_backward(name
     assert len(held) == len(recomputed) == 3 + len([p for p in fm.parameters() if p.requires_grad])
     for a, b in zip(held, recomputed):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize(("dv", "expected"), [(8, 32), (32, 32), (33, 64), (64, 64)])
+def test_the_default_chunk_follows_the_value_width(dv: int, expected: int) -> None:
+    """``chunk_size=None`` runs the chunk :func:`~kernelattn_core.engine.chunked.default_chunk`
+    picks for the values' width (32 up to d_v = 32, 64 above): bit-identical to passing
+    that chunk, and not to the other one (the chunk length changes the rounding)."""
+    est = _est("prf", d=8)
+    q, k, v = _qkv(192, seed=3, d=8, dv=dv)
+    qs, ks = _inputs(est, q, k, None, True)
+    fm = est.feature_map
+
+    def call(chunk: int | None) -> torch.Tensor:
+        num, den = grouped_feature_attention(
+            fm, qs, ks, v, causal=True, key_padding_mask=None, chunk_size=chunk, scale=1.0
+        )
+        return _ratio(num, den)
+
+    default, other = call(None), call(96 - expected)
+    assert torch.equal(default, call(expected))
+    assert not torch.equal(default, other)
+    torch.testing.assert_close(default, other)  # the same attention, rounded otherwise

@@ -102,11 +102,30 @@ from ..validation import finite_rows
 
 _HALF = (torch.float16, torch.bfloat16)
 
-#: chunk length used when the caller passes ``chunk_size=None``; chosen by measurement
-#: (PRF log-features, D = 128, d_v = 64, N = 4096, one thread, forward and forward +
-#: backward interleaved on a shared 2-core CPU: 32 and 64 within noise of each other,
-#: 128 slower by 15-30 %; ``tests/benchmarks`` re-measures it).
+#: chunk length used when the caller passes ``chunk_size=None`` and the values are wider
+#: than 32 (see :func:`default_chunk`); chosen by measurement (PRF log-features, D = 128,
+#: d_v = 64, N = 4096, one thread, forward and forward + backward interleaved on a shared
+#: 2-core CPU: 32 and 64 within noise of each other, 128 slower by 15-30 %;
+#: ``tests/benchmarks`` re-measures it).
 DEFAULT_CHUNK = 64
+
+#: chunk length for values of width 32 or less (:func:`default_chunk`)
+NARROW_CHUNK = 32
+
+
+def default_chunk(value_width: int) -> int:
+    """The chunk length of a call that passes ``chunk_size=None``, for values of width
+    ``value_width`` (:math:`d_v`, before the normaliser's column of ones).
+
+    A chunk of :math:`C` positions costs each position :math:`C (D + d_v)` in its
+    in-chunk products and about :math:`2 D d_v` in the chunk states, so narrow values
+    want short chunks. Measured (2026-11-28, PRF, forward + backward, 2-core CPU): with
+    :math:`d_v = 32` chunks of 32 beat 64 by 9-20 % at :math:`D` = 64 and N = 128-4096
+    (tied or better at D = 32-256), and with :math:`d_v = 64` chunks of 64 beat 32 by
+    2-8 % (D = 128, N = 512-4096; tied at 16K): :data:`NARROW_CHUNK` up to
+    :math:`d_v = 32`, :data:`DEFAULT_CHUNK` above.
+    """
+    return NARROW_CHUNK if value_width <= 32 else DEFAULT_CHUNK
 
 
 def _gate(mc: torch.Tensor, tri: torch.Tensor, decayed: bool = False) -> torch.Tensor:

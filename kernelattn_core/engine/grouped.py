@@ -85,13 +85,13 @@ from ..errors import InputError
 from ..redraw import saved_tensor_hooks_active
 from ..validation import check_head_dim, finite_rows
 from .chunked import (
-    DEFAULT_CHUNK,
     CausalInputs,
     CausalState,
     autocast_off,
     causal_linear_attention_backward,
     causal_linear_attention_forward,
     compute_dtype,
+    default_chunk,
     finish_causal,
     prepare_causal,
     query_side,
@@ -628,7 +628,7 @@ def grouped_feature_attention(
         ``True`` marks a padded key.
     chunk_size : int, optional
         Positions per chunk of the causal core (default
-        :data:`~kernelattn_core.engine.chunked.DEFAULT_CHUNK`).
+        :func:`~kernelattn_core.engine.chunked.default_chunk`).
     group : int, optional
         Positions per group (default: :func:`group_length`); causal groups are rounded up
         to a multiple of the chunk length.
@@ -649,7 +649,7 @@ def grouped_feature_attention(
     if fm.built:  # named with q's own shape, not the empty slice's below
         check_head_dim("q", q, fm.head_dim)
     _probe(fm, q)  # builds an unbuilt map, checks d (naming q)
-    chunk = chunk_size or DEFAULT_CHUNK
+    chunk = chunk_size or default_chunk(v.shape[-1])
     dtype = compute_dtype(q.dtype)
     b, h = q.shape[:2]
     g = group or group_length(b * h, fm.feature_dim, torch.finfo(dtype).bits // 8, chunk)

@@ -74,12 +74,12 @@ import torch
 
 from ..validation import finite_rows
 from .chunked import (  # noqa: F401 - CausalInputs, query_side, _bad_rows: re-exported (moved to chunked.py)
-    DEFAULT_CHUNK,
     CausalInputs,
     CausalState,
     _bad_rows,
     causal_linear_attention,
     compute_dtype,
+    default_chunk,
     finish_causal,
     prepare_causal,
     query_side,
@@ -110,7 +110,7 @@ def feature_attention_torch(
         ``True`` marks a padded key.
     chunk_size : int, optional
         Positions per chunk in the causal form; ``None`` takes the measured default
-        (:data:`kernelattn_core.engine.chunked.DEFAULT_CHUNK`).
+        (:func:`kernelattn_core.engine.chunked.default_chunk`).
     """
     dtype = compute_dtype(phi_q.dtype)
     phi_q, phi_k, v = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
@@ -194,7 +194,7 @@ def _causal(
 ) -> tuple[torch.Tensor, torch.Tensor, CausalState]:
     prep = prepare_causal(phi_q, phi_k, v, log_space, key_padding_mask, state)
     out, s_final = causal_linear_attention(
-        prep.fq, prep.fk, prep.v1, prep.s0, prep.m, prep.m0, chunk_size or DEFAULT_CHUNK
+        prep.fq, prep.fk, prep.v1, prep.s0, prep.m, prep.m0, chunk_size or default_chunk(v.shape[-1])
     )
     return finish_causal(out, s_final, prep, state)
 
