@@ -685,3 +685,41 @@ def test_step_refuses_another_windows_state():
     _, state = a.step(x, x, x)
     with pytest.raises(InputError, match="state: expected the state of SlidingWindowAttention\\(window=5"):
         b.step(x, x, x, state)
+
+
+@pytest.mark.parametrize("keep_kind", ["bool", "float", "none"])
+def test_the_recorded_masked_exp_equals_exp_after_masking_with_minus_inf(keep_kind: str) -> None:
+    """:func:`~kernelattn_hybrid.window._exp_masked` under autograd (clamped, no clamp
+    backward) gives the outputs and gradients of ``masked_fill(-inf).exp()`` bit for bit
+    on stabilised arguments, exactly 0 where masked (a NaN there included, in the output
+    and the gradient), and second derivatives by gradgradcheck."""
+    from kernelattn_hybrid.window import _exp_masked
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 2, 24, 24, generator=g, dtype=torch.float64)
+    base = base - base.amax(-1, keepdim=True)  # <= 0, as the callers' stabilised arguments
+    i = torch.arange(24)
+    band = ((i[:, None] - i[None, :]) >= 0) & ((i[:, None] - i[None, :]) < 5)
+    keep = {"bool": band, "float": band.double(), "none": None}[keep_kind]
+    if keep is not None:
+        base[..., ~band] = float("nan")  # a masked value never reaches the result
+    weight = torch.randn(base.shape, generator=g, dtype=torch.float64)
+
+    def run(fn):  # type: ignore[no-untyped-def]
+        leaf = base.clone().requires_grad_(True)
+        out = fn(leaf * 1.0)
+        (out * weight).sum().backward()
+        return out.detach(), leaf.grad
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        return (x if keep is None else x.masked_fill(keep == 0, float("-inf"))).exp()
+
+    out, grad = run(lambda x: _exp_masked(x, keep, recorded=True))
+    ref_out, ref_grad = run(reference)
+    assert torch.equal(out, ref_out) and torch.equal(grad, ref_grad)
+    assert torch.isfinite(out).all() and torch.isfinite(grad).all()
+    if keep is not None:
+        assert (out[..., ~band] == 0).all() and (grad[..., ~band] == 0).all()
+    small = (base[0, 0, :6, :6].nan_to_num(-3.0) - 0.5).requires_grad_(True)  # off the clamp's bound
+    sub = None if keep is None else keep[:6, :6]
+    assert torch.autograd.gradgradcheck(lambda x: _exp_masked(x * 1.0, sub, recorded=True), (small,))
