@@ -39,9 +39,10 @@ Engine helpers
     non-finite rows (``all_finite``, ``allowed_pairs``, ``finite_rows``, ``isolated_pre``, ``isolated_rows``,
     ``non_finite_rows``, ``poison_rows``, ``quarantine_non_finite``), ``absorb_keys`` (and
     ``absorb_one_finite``, its one-key form without the quarantine),
-    ``compute_dtype``, ``exp_nonpositive`` (stabilised exponentials that stay on the CPU's
-    fast path), ``prefix_stabiliser`` (the causal-safe running maximum), the causal
-    recurrence (``causal_linear_attention``, with its optional per-position log-decay), and
+    ``compute_dtype``, ``exp_nonpositive`` and ``exp_kept`` (stabilised exponentials that
+    stay on the CPU's fast path; the second in place, with exp's own derivative),
+    ``prefix_stabiliser`` (the causal-safe running maximum), the causal recurrence
+    (``causal_linear_attention``, with its optional per-position log-decay), and
     the backends (``Backend``, ``Problem``, ``register_backend``,
     ``select_backend``, ``attend_features``, ``attend_normalized``).
 Claims and verification
@@ -136,6 +137,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     **{n: ("kernelattn_core.validation", n) for n in ("all_finite", "finite_rows", "isolated_rows", "non_finite_rows")},
     **{n: ("kernelattn_core.engine.torch_backend", n) for n in ("absorb_keys", "absorb_one_finite", "compute_dtype")},
     "causal_linear_attention": ("kernelattn_core.engine.chunked", "causal_linear_attention"),
+    "exp_kept": ("kernelattn_core.engine.chunked", "exp_kept"),
     "exp_nonpositive": ("kernelattn_core.engine.chunked", "exp_nonpositive"),
     "prefix_stabiliser": ("kernelattn_core.engine.chunked", "prefix_stabiliser"),
     **{

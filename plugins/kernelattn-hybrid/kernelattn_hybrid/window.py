@@ -76,7 +76,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernelattn_core.toolkit import absorb_one_finite, exp_nonpositive, prefix_stabiliser
+from kernelattn_core.toolkit import absorb_one_finite, exp_kept, exp_nonpositive, prefix_stabiliser
 
 NEG = float("-inf")
 
@@ -343,44 +343,17 @@ def _causal(
 _STATIC: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-class _ExpKept(torch.autograd.Function):
-    """:math:`y = e^{\\mathrm{clamp}(x)}`, 0 where ``keep`` is False or 0, computed in
-    place in ``x``; backward :math:`\\bar x = \\bar y\\, y`.
-
-    The clamp of :func:`~kernelattn_core.engine.chunked.exp_nonpositive` without its
-    backward: exp's own derivative is its output, which is 0 where a term is absent and the
-    dtype's smallest normal number (float32: 1.2e-38) where the argument lay below it, so
-    the gradient is exp's and the clamp's mask costs nothing. Bit-identical to masking
-    with ``-inf`` and ``exp`` (outputs and gradients) for arguments in range, and 2.4x /
-    2x faster forward / backward on a causal window's ``[N, N]`` logits (most masked:
-    torch's exp leaves its fast path at ``-inf``)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
-        y = x.clamp_(math.ceil(math.log(torch.finfo(x.dtype).tiny)), 0.0).exp_()
-        if keep is not None:
-            y = y.masked_fill_(keep == 0, 0.0)
-        ctx.mark_dirty(x)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        (y,) = ctx.saved_tensors
-        return grad * y, None
-
-
 def _exp_masked(x: torch.Tensor, keep: torch.Tensor | None, recorded: bool, masked: bool = False) -> torch.Tensor:
     """:math:`e^x` of fresh stabilised arguments ``x`` (:math:`\\le 0` where kept), exactly 0
     where ``keep`` (a boolean or 0/1 mask; ``None``: everywhere kept) is False or 0: the
     arguments clamped to the dtype's normal range (torch's exp is several times slower at
-    ``-inf`` and far below 0), computed in place. Under autograd through :class:`_ExpKept`
-    (exp's derivative, no clamp backward: a clamp's backward cost more than exp's slow path
-    at ``-inf``), without it :func:`~kernelattn_core.engine.chunked.exp_nonpositive` (``keep``
-    as a factor). ``masked``: ``x`` holds ``-inf`` where ``keep`` is False (the result is
-    the same)."""
+    ``-inf`` and far below 0), computed in place. Under autograd through
+    :func:`~kernelattn_core.engine.chunked.exp_kept` (exp's derivative, no clamp backward: a
+    clamp's backward cost more than exp's slow path at ``-inf``), without it
+    :func:`~kernelattn_core.engine.chunked.exp_nonpositive` (``keep`` as a factor).
+    ``masked``: ``x`` holds ``-inf`` where ``keep`` is False (the result is the same)."""
     if recorded:
-        return _ExpKept.apply(x, keep)
+        return exp_kept(x, keep)
     return exp_nonpositive(x, None if keep is None else keep.to(x.dtype))
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernelattn_core.toolkit import all_finite, finite_rows
+from kernelattn_core.toolkit import all_finite, exp_kept, finite_rows
 
 NEG_INF = float("-inf")
 
@@ -96,11 +96,11 @@ def safe_softmax_stats(logits: torch.Tensor, values: torch.Tensor) -> tuple[torc
     """
     top = logits.detach().amax(-1, keepdim=True)  # [..., X, 1]
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    w = (logits - top).exp()  # [..., X, M]
+    visible = logits != NEG_INF  # a -inf logit is a masked (or weightless) key: its value is never seen
+    w = exp_kept(logits - top, visible)  # [..., X, M]; exp's fast path (no -inf argument)
     den = w.sum(-1, keepdim=True)  # [..., X, 1]
     empty = den == 0
     safe_den = torch.where(empty, torch.ones_like(den), den)
-    visible = logits != NEG_INF  # a -inf logit is a masked (or weightless) key: its value is never seen
     mean = visible_matmul(w, values, visible) / safe_den  # [..., X, dv]
     log_den = torch.where(empty, torch.full_like(den, NEG_INF), safe_den.log() + top)
     return log_den.squeeze(-1), mean
@@ -170,7 +170,7 @@ def softmax_probs(
         logits = logits.masked_fill(~causal_allowed(q.shape[-2], k.shape[-2], q.device), NEG_INF)
     top = logits.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    w = (logits - top).exp()
+    w = exp_kept(logits - top, logits != NEG_INF)  # exp's fast path (no -inf argument)
     den = w.sum(-1, keepdim=True)
     return w / torch.where(den == 0, torch.ones_like(den), den)
 
