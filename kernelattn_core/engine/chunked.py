@@ -119,7 +119,7 @@ def default_chunk(value_width: int) -> int:
 
     A chunk of :math:`C` positions costs each position :math:`C (D + d_v)` in its
     in-chunk products and about :math:`2 D d_v` in the chunk states, so narrow values
-    want short chunks. Measured (2026-11-28, PRF, forward + backward, 2-core CPU): with
+    want short chunks. Measured (2026-11-27, PRF, forward + backward, 2-core CPU): with
     :math:`d_v = 32` chunks of 32 beat 64 by 9-20 % at :math:`D` = 64 and N = 128-4096
     (tied or better at D = 32-256), and with :math:`d_v = 64` chunks of 64 beat 32 by
     2-8 % (D = 128, N = 512-4096; tied at 16K): :data:`NARROW_CHUNK` up to
@@ -750,7 +750,7 @@ def exp_kept(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
     absent and the dtype's smallest normal number where the argument lay below it.
     Outputs and gradients are bit-identical to ``x.masked_fill(~keep, -inf).exp()`` for
     every kept argument from the edge up (above 0, ``inf`` and NaN included: nothing
-    non-finite is hidden); measured 2026-11-28 on a causal window's ``[N, N]`` logits
+    non-finite is hidden); measured 2026-11-27 on a causal window's ``[N, N]`` logits
     (float32, most of them masked, one thread): 2.4x faster forward, 2x faster backward.
 
     ``x`` must be a temporary of the caller's (it is overwritten and marked modified).
