@@ -345,9 +345,9 @@ _STATIC: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def _exp_masked(x: torch.Tensor, keep: torch.Tensor | None, recorded: bool, masked: bool = False) -> torch.Tensor:
     """:math:`e^x` of fresh stabilised arguments ``x`` (:math:`\\le 0` where kept), exactly 0
-    where ``keep`` (a boolean or 0/1 mask; ``None``: everywhere kept) is False or 0: the
-    arguments clamped to the dtype's normal range (torch's exp is several times slower at
-    ``-inf`` and far below 0), computed in place. Under autograd through
+    where ``keep`` (a boolean or 0/1 mask; ``None``: everywhere kept) is False or 0, with
+    arguments below the dtype's normal range raised to its edge (torch's exp is several
+    times slower at ``-inf`` and far below 0), computed in place. Under autograd through
     :func:`~kernelattn_core.engine.chunked.exp_kept` (exp's derivative, no clamp backward: a
     clamp's backward cost more than exp's slow path at ``-inf``), without it
     :func:`~kernelattn_core.engine.chunked.exp_nonpositive` (``keep`` as a factor).
