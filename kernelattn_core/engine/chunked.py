@@ -121,9 +121,11 @@ def default_chunk(value_width: int) -> int:
     in-chunk products and about :math:`2 D d_v` in the chunk states, so narrow values
     want short chunks. Measured (2026-11-27, PRF, forward + backward, 2-core CPU): with
     :math:`d_v = 32` chunks of 32 beat 64 by 9-20 % at :math:`D` = 64 and N = 128-4096
-    (tied or better at D = 32-256), and with :math:`d_v = 64` chunks of 64 beat 32 by
-    2-8 % (D = 128, N = 512-4096; tied at 16K): :data:`NARROW_CHUNK` up to
-    :math:`d_v = 32`, :data:`DEFAULT_CHUNK` above.
+    (tied or better at D = 32-256; one thread, batches of 4K positions), and with
+    :math:`d_v = 64` chunks of 64 beat 32 by 2-8 % (D = 128, N = 512-4096; tied at 16K):
+    :data:`NARROW_CHUNK` up to :math:`d_v = 32`, :data:`DEFAULT_CHUNK` above. One long
+    sequence with two threads (B 1, 4 heads of 32, N 4K and 16K, D 64 and 128): the two
+    within 5 % of each other (32 behind by 2-5 % at 4K, D 128).
     """
     return NARROW_CHUNK if value_width <= 32 else DEFAULT_CHUNK
 
