@@ -266,7 +266,7 @@ def _causal(
         fq = _exp_masked(fq - a.unsqueeze(-1), None, recorded)
         lk = _rows(phi_k, length).masked_fill(~feat_key[:, None, :, None], NEG)
         _, c = prefix_stabiliser(lk.detach().amax(-1))  # [B, H, L]: prefix maximum (the first finite value before it)
-        fk = _exp_masked(lk - c.unsqueeze(-1), feat_key[:, None, :, None], recorded, masked=True)  # [B, H, L, D],
+        fk = _exp_masked(lk - c.unsqueeze(-1), feat_key[:, None, :, None], recorded)  # [B, H, L, D],
         # <= 1, non-feature keys 0
         m_f = a + c[..., delayed]  # [B, H, L]: the feature part's scale, a_i + c_{i - w}
         stab = c[..., delayed].contiguous()  # non-decreasing, finite
@@ -313,7 +313,7 @@ def _causal(
         win_max = torch.maximum(win_max, s_g.detach().amax(-1))
     m_e = torch.where(torch.isfinite(win_max), win_max, torch.zeros_like(win_max))  # [B, H, L]
     # <= 1; exactly 0 off the exact set (a future key's value must not reach a row)
-    e_loc = _exp_masked(s_loc - m_e.unflatten(-1, (nb, c_blk)).unsqueeze(-1), exact_loc[:, None], recorded, masked=True)
+    e_loc = _exp_masked(s_loc - m_e.unflatten(-1, (nb, c_blk)).unsqueeze(-1), exact_loc[:, None], recorded)
     den_e = e_loc.sum(-1).flatten(2, 3)  # [B, H, L]
     if g > 0:
         e_g = (s_g - m_e.unsqueeze(-1)).exp()  # [B, H, L, g]
@@ -343,15 +343,15 @@ def _causal(
 _STATIC: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _exp_masked(x: torch.Tensor, keep: torch.Tensor | None, recorded: bool, masked: bool = False) -> torch.Tensor:
+def _exp_masked(x: torch.Tensor, keep: torch.Tensor | None, recorded: bool) -> torch.Tensor:
     """:math:`e^x` of fresh stabilised arguments ``x`` (:math:`\\le 0` where kept), exactly 0
     where ``keep`` (a boolean or 0/1 mask; ``None``: everywhere kept) is False or 0, with
     arguments below the dtype's normal range raised to its edge (torch's exp is several
     times slower at ``-inf`` and far below 0), computed in place. Under autograd through
     :func:`~kernelattn_core.engine.chunked.exp_kept` (exp's derivative, no clamp backward: a
     clamp's backward cost more than exp's slow path at ``-inf``), without it
-    :func:`~kernelattn_core.engine.chunked.exp_nonpositive` (``keep`` as a factor).
-    ``masked``: ``x`` holds ``-inf`` where ``keep`` is False (the result is the same)."""
+    :func:`~kernelattn_core.engine.chunked.exp_nonpositive` (``keep`` as a factor). ``x``
+    may hold ``-inf`` where ``keep`` is False."""
     if recorded:
         return exp_kept(x, keep)
     return exp_nonpositive(x, None if keep is None else keep.to(x.dtype))
