@@ -698,6 +698,13 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _HALF else dtype
 
 
+def _exp_floor(dtype: torch.dtype) -> int:
+    r""":math:`\lceil \log t \rceil`, :math:`t` the smallest normal number of ``dtype``
+    (float32: -87, float64: -708): the lowest argument torch's CPU exp takes on its fast
+    path, where :func:`exp_nonpositive` and :func:`exp_kept` raise lower ones."""
+    return math.ceil(math.log(torch.finfo(dtype).tiny))
+
+
 def exp_nonpositive(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
     """:math:`e^x` of a stabilised argument :math:`x \\le 0`, times ``keep`` (a mask: 0
     where the term is absent), every argument first clamped to :math:`[\\lceil \\log t
@@ -717,7 +724,7 @@ def exp_nonpositive(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.
     term must be exactly 0 below the range (a decay of 0), keep ``-inf`` and ``exp``.
     Gradients flow for arguments in range (clamp passes its bounds), none below.
     """
-    out = x.clamp(math.ceil(math.log(torch.finfo(x.dtype).tiny)), 0.0).exp()
+    out = x.clamp(_exp_floor(x.dtype), 0.0).exp()
     return out if keep is None else out * keep
 
 
@@ -726,7 +733,7 @@ class _ExpKept(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
-        y = x.clamp_(min=math.ceil(math.log(torch.finfo(x.dtype).tiny))).exp_()
+        y = x.clamp_(min=_exp_floor(x.dtype)).exp_()
         if keep is not None:
             y = y.masked_fill_(keep == 0, 0.0)
         ctx.mark_dirty(x)
@@ -760,7 +767,7 @@ def exp_kept(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
     compiler fuses it; Dynamo does not trace an in-place autograd function).
     """
     if torch.compiler.is_compiling():
-        y = x.clamp(min=math.ceil(math.log(torch.finfo(x.dtype).tiny))).exp()
+        y = x.clamp(min=_exp_floor(x.dtype)).exp()
         return y if keep is None else y.masked_fill(keep == 0, 0.0)
     return _ExpKept.apply(x, keep)
 
