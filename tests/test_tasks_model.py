@@ -155,3 +155,29 @@ def test_scored_positions_as_indices_give_the_rows_of_the_boolean_selection() ->
     assert by_mask.shape[0] == int(scored.sum()) > 0
     assert torch.equal(by_index, by_mask)
     torch.testing.assert_close(everywhere[scored], by_mask)
+
+
+def test_the_last_block_runs_its_mlp_at_the_scored_positions_only() -> None:
+    """The last block's MLP, the final norm and the head see the ``S`` scored rows (where a
+    prediction is read), the earlier blocks every position; the loss and every parameter's
+    gradient equal those of the logits computed everywhere and then selected."""
+    from kernelattn_core.tasks.run import RECIPES
+    from kernelattn_core.tasks.train import build_model
+
+    task = get_task("induction")
+    model = build_model(task, "prf", RECIPES[("induction", "quick")].updated(d_model=32), "quick", 0, {})
+    batch = task.batch(4, scale="quick", generator=torch.Generator().manual_seed(0))
+    scored = batch.targets != -100
+    seen = []
+    hooks = [b.mlp.register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape))) for b in model.blocks]
+    model.eval()  # no redraw between the two passes
+    loss = torch.nn.functional.cross_entropy(model(batch.inputs, None, scored), batch.targets[scored])
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    assert seen == [(4, 128, 32), (int(scored.sum()), 32)] and int(scored.sum()) == 4 * 32
+    for h in hooks:
+        h.remove()
+    full = model(batch.inputs, None)[scored]
+    loss_full = torch.nn.functional.cross_entropy(full, batch.targets[scored])
+    torch.testing.assert_close(loss, loss_full)
+    for g, g_full in zip(grads, torch.autograd.grad(loss_full, list(model.parameters()), allow_unused=True)):
+        torch.testing.assert_close(g, g_full, rtol=1e-4, atol=1e-6)

@@ -61,11 +61,23 @@ class Block(nn.Module):
         self.attn = attention
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
 
-    def forward(self, h: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, padding: torch.Tensor | None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``h [B, N, d]`` -> ``[B, N, d]``; with ``rows`` (see :func:`_read_rows`) the MLP runs
+        on those positions only and the result is ``[S, d]``."""
         if self.shift is not None and self.attn is not None:
             h = self.shift(h)
             h = h + self.attn(self.norm1(h), key_padding_mask=padding)[0]
+        if rows is not None:
+            h = _read_rows(h, rows)
         return h + self.mlp(self.norm2(h))
+
+
+def _read_rows(h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The ``[S, d]`` rows of ``h [B, N, d]`` that ``rows`` names: a boolean ``[B, N]``
+    selection, or the int64 indices ``[S]`` of its true entries in the flattened ``[B * N]``."""
+    if rows.dtype == torch.bool:
+        return h[rows]
+    return h.flatten(0, 1).index_select(0, rows)
 
 
 class TaskModel(nn.Module):
@@ -134,22 +146,22 @@ class TaskModel(nn.Module):
         self, inputs: torch.Tensor, padding: torch.Tensor | None = None, scored: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Logits ``[B, N, V]`` (``"lm"``; ``[S, V]`` at the ``S`` positions where ``scored [B, N]``
-        is true, when given: the head runs only where a prediction is read) or ``[B, C]``.
+        is true, when given: the last block's MLP, the final norm and the head run only where a
+        prediction is read; every block's attention still sees every position) or ``[B, C]``.
 
         ``scored`` may also be the ``[S]`` int64 indices of those positions in the flattened
         ``[B * N]`` (``scored.flatten().nonzero()``, the same rows in the same order): a
         compiled model takes them, as a boolean selection has a data-dependent size."""
         n = inputs.shape[1]
         h = self.embed(inputs) + self.position.weight[:n]  # [B, N, d]
-        for block in self.blocks:
-            h = block(h, padding)
+        # the last block's MLP (position-wise), the norm and the head run only where a
+        # prediction is read: its attention needs every position, the rest of it does not
+        rows = scored if self.kind == "lm" else None
+        for i, block in enumerate(self.blocks):
+            h = block(h, padding, rows if i == len(self.blocks) - 1 else None)
         h = self.norm(h)
         if self.kind == "lm":
-            if scored is None:
-                return self.head(h)  # [B, N, V]
-            if scored.dtype == torch.bool:
-                return self.head(h[scored])  # [S, V]
-            return self.head(h.flatten(0, 1).index_select(0, scored))  # [S, V]
+            return self.head(h)  # [B, N, V], or [S, V] at the scored positions
         if padding is None:
             pooled = h.mean(1)
         else:
