@@ -10,7 +10,7 @@ DESCRIPTION = """\
 Pick estimators by need from results you have measured (docs/choosing.rst shows the
 picks of the package's own measurements):
 
-  kernelattn tasks --preset seeds --jobs 2 --output seeds.json
+  kernelattn tasks --preset seeds --output seeds.json
   kernelattn compare --workload minilm --budgets 64 128 --output minilm.json
   kernelattn choose --tasks seeds.json --compare minilm.json
 

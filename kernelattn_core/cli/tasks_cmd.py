@@ -25,14 +25,15 @@ Tasks (generated in-process from the seed, no downloads):
   induction       complete a repeated pattern (induction heads)
 
 By default: --task mqar, budget 64, seed 0, every estimator linear in the sequence length.
-At the quick scale one (task, estimator, budget, seed) takes 10-150 s on two cores; rows
+At the quick scale one (task, estimator, budget, seed) takes 4-45 s on two cores; rows
 stream as they finish. --jobs N trains N runs at once, each in its own process (on a
-2-core CPU --jobs 2 trains about 1.3x as many steps per second). --device cuda trains on
+2-core CPU --jobs 2 trains about 1.3x as many steps per second, each run about 1.5x
+slower). --device cuda trains on
 a GPU; --compile trains through torch.compile (a CPU step of a linear estimator 0.67-0.87x
 the eager one, after 10-40 s of compilation per run: worth it for --scale paper, not at the
 quick scale). Presets:
   --preset seeds    the five source papers' estimators (+ hedgehog, sliding-window) on every
-                    task, in the layout of their Table 2 (30-37 min on 2 cores with --jobs 2)
+                    task, in the layout of their Table 2 (26 min on 2 cores, every run <= 45 s)
   --preset zoology  MQAR against the feature budget 16..256 for prf, hedgehog, elu and
                     sliding-window, two seeds (Zoology's Fig. 2 at CPU scale)
 --journal FILE keeps every finished run, so a long sweep that stops resumes where it stopped.

@@ -18,7 +18,7 @@ the recorded runs are kept in the file but not reused. A run that failed is not 
 
 Usage::
 
-    kernelattn tasks --preset seeds --jobs 2 --journal seeds.jsonl --output seeds.json
+    kernelattn tasks --preset seeds --journal seeds.jsonl --output seeds.json
     # interrupted? the same command again trains only the runs the journal lacks
 """
 
