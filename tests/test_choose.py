@@ -124,15 +124,15 @@ def test_the_listops_pick_is_the_set_within_one_standard_error(data: dict) -> No
 def test_the_avoid_pick_follows_the_floor(data: dict) -> None:
     need = _need("avoid")
     before = _picks(data["seeds"], data["compare"], data["fitted"])[need]
-    assert "rfa" in before and "generative-prf" not in before
+    assert "rmfa" in before and "generative-prf" not in before
     seeds = copy.deepcopy(data["seeds"])
     for r in seeds:
-        if r["estimator"] == "rfa" and r["task"] == "mqar":
+        if r["estimator"] == "rmfa" and r["task"] == "mqar":
             r["accuracy"] = 0.5  # learned it
         if r["estimator"] == "generative-prf" and r["task"] in ("mqar", "selective-copy"):
             r["accuracy"] = 0.0  # at the floor
     after = _picks(seeds, data["compare"], data["fitted"])[need]
-    assert "rfa" not in after and "generative-prf" in after
+    assert "rmfa" not in after and "generative-prf" in after
 
 
 def test_the_unfitted_pick_needs_every_layer_beaten(data: dict) -> None:
