@@ -395,6 +395,43 @@ def test_group_length_bounds_the_block_and_is_a_chunk_multiple() -> None:
     assert group_length(10**6, 128, 8, 64) == 64  # at least one chunk
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_short_training_call_is_one_group_whatever_the_byte_bound(monkeypatch, causal: bool) -> None:
+    """A training call of at most SHORT_TRAINING positions runs as one group even where the
+    byte bound would cut it (here into groups of 8), with the several groups' outputs and
+    gradients; an inference call of the same inputs keeps the byte bound, and so does a
+    training call with SHORT_TRAINING = 0."""
+    monkeypatch.setattr(grp, "GROUP_BYTES", 2 * 3 * 16 * 8 * 8)  # [2, 3, 8, 16] float64: 8 positions
+    spans: list[int] = []
+    real = grp._Call.spans
+    monkeypatch.setattr(grp._Call, "spans", lambda self, n: spans.append(len(real(self, n))) or real(self, n))
+    est = _est("prf")
+    fm = est.feature_map
+    q, k, v = (t.requires_grad_() for t in _qkv(40))
+
+    def run(short: int) -> tuple[torch.Tensor, ...]:
+        monkeypatch.setattr(grp, "SHORT_TRAINING", short)
+        spans.clear()
+        num, den = grouped_feature_attention(fm, q, k, v, causal=causal, key_padding_mask=None, chunk_size=8)
+        out = num / den.unsqueeze(-1)
+        return (out, *torch.autograd.grad(out.square().sum(), (q, k, v)))
+
+    one = run(128)
+    assert max(spans) == 1
+    several = run(0)
+    assert max(spans) == 5  # 40 positions in groups of 8
+    for a, b in zip(one, several):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    monkeypatch.setattr(grp, "SHORT_TRAINING", 128)
+    spans.clear()
+    with torch.no_grad():
+        grouped_feature_attention(fm, q, k, v, causal=causal, key_padding_mask=None, chunk_size=8)
+    assert max(spans) == 5  # inference: the byte bound
+    spans.clear()
+    grouped_feature_attention(fm, q, k, v, causal=causal, key_padding_mask=None, chunk_size=8, group=16)
+    assert max(spans) == 3  # an explicit group is kept
+
+
 def _peak_fwd_bwd(fn, n: int) -> int:  # type: ignore[no-untyped-def]
     from kernelattn_core.cli.measure import peak_memory
 

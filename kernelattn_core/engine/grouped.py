@@ -41,9 +41,10 @@ call, so the allocator reuses it (tensors above glibc's 32 MiB mmap threshold ar
 pages on every call, whose page faults made the one-shot form super-linear in ``N``).
 The price is computing the features twice (once forward, once backward), one
 ``[N, d] x [d, D]`` product and an exponential per side. Except for a training call of
-**one group** (a short sequence, ``N <= G``; non-causal: one key group and one query
-group): its forward pass builds the group's local graphs and holds them for the backward
-pass, and a causal one keeps the core's per-chunk work too (states, gate, gated products:
+**one group** (a short sequence, ``N <= G``, or any training call of at most
+:data:`SHORT_TRAINING` positions; non-causal: one key group and one query group): its
+forward pass builds the group's local graphs and holds them for the backward pass, and a
+causal one keeps the core's per-chunk work too (states, gate, gated products:
 the ``tape`` of :func:`~kernelattn_core.engine.chunked.causal_linear_attention_forward`),
 so the backward pass recomputes nothing (the memory held is that one group's work space,
 the bound the grouping keeps anyway). Measured 2026-11-26 (``prf``, 64 features, H 2, d 32,
@@ -105,6 +106,16 @@ from .torch_backend import feature_attention_torch, non_finite_query_rows, quara
 #: peak memory of forward + backward 47 / 97 MiB; 8 MiB (G = 4096) 23.0 ms, 80 / 286 ms,
 #: 118 / 187 MiB; 1 MiB is slower (per-group overhead). ``tests/benchmarks`` re-measures.
 GROUP_BYTES = 2 * 2**20
+
+#: a training call whose queries and keys both fit in this many positions is one group,
+#: whatever :data:`GROUP_BYTES` gives (0: the byte bound alone). The byte bound was chosen
+#: for long sequences; for batched short ones with wide maps it cut a sequence into groups
+#: of one chunk (B 32, 2 heads, D 256: G = 32 at N = 128), each paying its own preparation
+#: and the backward pass's recompute, where one group holds its graph (work space about 12
+#: ``[B, H, N, D]`` blocks: 100 MB there). Measured 2026-11-27 (the MQAR task step, 2
+#: threads, interleaved): ``hedgehog:init=prf`` with 256 features 118-128 -> 84-87 ms, ``prf``
+#: with 256 features 94-97 -> 70-72 ms; at 64 features (already one group) unchanged.
+SHORT_TRAINING = 128
 
 
 def group_length(batch_heads: int, width: int, itemsize: int, chunk: int) -> int:
@@ -630,8 +641,9 @@ def grouped_feature_attention(
         Positions per chunk of the causal core (default
         :func:`~kernelattn_core.engine.chunked.default_chunk`).
     group : int, optional
-        Positions per group (default: :func:`group_length`); causal groups are rounded up
-        to a multiple of the chunk length.
+        Positions per group (default: :func:`group_length`, or the whole call for a
+        training call of at most :data:`SHORT_TRAINING` positions); causal groups are
+        rounded up to a multiple of the chunk length.
     scale : float
         Factor applied to ``q`` and ``k`` group by group before the features (the
         estimator's :math:`\\sqrt{s}`: no scaled copy of the whole inputs is made).
@@ -652,13 +664,16 @@ def grouped_feature_attention(
     chunk = chunk_size or default_chunk(v.shape[-1])
     dtype = compute_dtype(q.dtype)
     b, h = q.shape[:2]
-    g = group or group_length(b * h, fm.feature_dim, torch.finfo(dtype).bits // 8, chunk)
-    if causal:
-        g = -(-g // chunk) * chunk  # groups hold whole chunks
     grad = torch.is_grad_enabled()
     map_params = [p for p in fm.parameters() if p.requires_grad] if grad else []
     norm_params = [p for p in normalizer.parameters() if p.requires_grad] if grad and normalizer is not None else []
     keep = grad and any(t.requires_grad for t in (q, k, v, *map_params, *norm_params))
+    g = group or group_length(b * h, fm.feature_dim, torch.finfo(dtype).bits // 8, chunk)
+    longest = max(q.shape[2], k.shape[2])
+    if group is None and keep and longest <= SHORT_TRAINING:
+        g = max(g, longest)  # a short training call: one group (SHORT_TRAINING)
+    if causal:
+        g = -(-g // chunk) * chunk  # groups hold whole chunks
     mask = key_padding_mask.clone() if keep and key_padding_mask is not None else key_padding_mask
     # every buffer as this forward pass sees it, for the backward-time recompute: floating
     # ones copied (redraws and statistics change them in place), the others (rmfa's integer

@@ -81,8 +81,9 @@ def _perturb(module: torch.nn.Module, std: float, seed: int) -> None:
 @contextlib.contextmanager
 def small_groups(chunk: int | None) -> Iterator[None]:
     """Run the torch engine with groups of one chunk (group and chunk boundaries inside
-    short sequences): :data:`~kernelattn_core.engine.grouped.GROUP_BYTES` is set to 1 for
-    the duration (the group length is then the chunk length), and feature-map attention
+    short sequences): :data:`~kernelattn_core.engine.grouped.GROUP_BYTES` is set to 1 and
+    :data:`~kernelattn_core.engine.grouped.SHORT_TRAINING` to 0 for the duration (the group
+    length is then the chunk length, in training too), and feature-map attention
     uses chunks of ``chunk`` positions. ``None`` leaves the engine as configured."""
     if chunk is None:
         yield
@@ -90,13 +91,18 @@ def small_groups(chunk: int | None) -> Iterator[None]:
     from ..engine import grouped
 
     saved = getattr(grouped, "GROUP_BYTES", None)
+    saved_short = getattr(grouped, "SHORT_TRAINING", None)
     if saved is not None:
         grouped.GROUP_BYTES = 1
+    if saved_short is not None:  # short training calls too: several groups
+        grouped.SHORT_TRAINING = 0
     try:
         yield
     finally:
         if saved is not None:
             grouped.GROUP_BYTES = saved
+        if saved_short is not None:
+            grouped.SHORT_TRAINING = saved_short
 
 
 def _set_chunk(est: Any, chunk: int | None) -> None:
