@@ -204,3 +204,33 @@ def test_a_scale_or_eps_changed_between_steps_is_read_at_each_step(taken: list[b
         outs.append(torch.cat(rows, 2))
     assert taken == [True] * (N - PREFILL)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-12)
+
+
+def test_a_key_above_the_stabiliser_raises_it_and_others_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The short step adds a key at the state's stabiliser as it is (no rescaling of the sums)
+    and redoes the step with the stabiliser raised (absorb_one_finite) only for a key whose
+    features exceed it: equal to the guarded step either way."""
+    from kernelattn_core.engine import torch_backend
+
+    raised: list[int] = []
+    real = torch_backend.absorb_one_finite
+
+    def counting(state, phi_k, v, *, log_space):  # type: ignore[no-untyped-def]
+        raised.append(state.length)
+        return real(state, phi_k, v, log_space=log_space)
+
+    monkeypatch.setattr(torch_backend, "absorb_one_finite", counting)
+    est = _est("hedgehog", {"num_features": 16}, torch.float64)
+    q, k, v = _inputs(torch.float64, seed=5)
+    _decode(est, q, k, v)
+    plain = set(raised)  # the positions (state lengths) at which a key raised it
+    t = max(set(range(PREFILL + 2, N)) - plain)
+    k[:, :, t] *= 4.0  # its log-features (+-(w.k + b)) reach far above every other key's
+    ref, ref_state = _decode(est, q, k, v, guarded=True)
+    raised.clear()
+    got, state = _decode(est, q, k, v)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    assert torch.equal(state.m, ref_state.m)
+    torch.testing.assert_close(_meaning(state), _meaning(ref_state), rtol=1e-12, atol=1e-12)
+    assert t in raised and not [n for n in raised if n > t]  # raised by the large key, by none after it
+    assert len(raised) < N - PREFILL  # the other keys were added at the stabiliser as it was

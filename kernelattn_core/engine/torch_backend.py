@@ -69,6 +69,7 @@ float16) and the caller casts the output back.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -309,11 +310,18 @@ def decode_one_finite(
 
     A decoding step of a small model is dominated by the number of tensor operations,
     not their size (``[B, H, D]`` rows): the guarded step spends about 40 of them on
-    masks and non-finite bookkeeping that change nothing for finite inputs. Here one
-    reduction over the inputs (features and value) and the denominator decide, with one
-    synchronisation: a non-finite entry anywhere, or a denominator that
+    masks and non-finite bookkeeping that change nothing for finite inputs. Here the
+    output, the key's (log-)features and the denominator decide, read back with one
+    synchronisation: a non-finite entry in the output or the key row (a non-finite
+    query, key or value reaches one of them), or a denominator that
     :meth:`~kernelattn_core.interfaces.normalizer.Normalizer.normalize` would guard
     (:math:`|\\mathrm{den}| <` ``eps``), returns ``None``.
+
+    For log-space maps the key is first absorbed at the state's stabiliser ``m``
+    unchanged (:math:`S' = S + e^{l_k - m} v^\\top`: no rescaling of ``S`` and ``z``), which
+    is :func:`absorb_one_finite` exactly whenever :math:`\\max_D l_k \\le m`, the usual case
+    once a few keys are in; when a feature exceeds 1 the step is redone with the
+    stabiliser raised (:func:`absorb_one_finite`, a second synchronisation).
 
     Parameters
     ----------
@@ -330,21 +338,63 @@ def decode_one_finite(
     (out, state) or None
         ``out [B, H, 1, dv] = num / den`` and the state after the position.
     """
-    b, h, _, d_feat = phi_k.shape
-    dv = v.shape[-1]
     if not (phi_q.dtype == phi_k.dtype == v.dtype == state.kv.dtype) or phi_q.shape != phi_k.shape:
         return None  # a map that changes the dtype or the width: the guarded step casts and checks
+    b, h, _, d_feat = phi_q.shape
     lq = phi_q.reshape(b * h, 1, d_feat)
-    check = lq.sum() + phi_k.sum() + v.sum()
-    # m_old = -inf (no key yet) needs no check: restate is 0 on an all-zero state, and with
-    # an all -inf key row too, fk is NaN and the denominator check below declines
-    new = absorb_one_finite(state, phi_k, v, log_space=log_space)
     fq = (lq - lq.amax(-1, keepdim=True)).exp_() if log_space else lq  # [BH, 1, D]
-    num = torch.bmm(fq, new.kv.view(b * h, d_feat, dv))  # [BH, 1, dv]
-    den = torch.bmm(fq, new.z.view(b * h, d_feat, 1))  # [BH, 1, 1]
-    if not bool(torch.isfinite(check) & (den.abs().amin() >= eps)):
+    return decode_query_finite(fq, phi_k, v, state, log_space=log_space, eps=eps)
+
+
+def decode_query_finite(
+    fq: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    state: CausalState,
+    *,
+    log_space: bool,
+    eps: float,
+) -> tuple[torch.Tensor, CausalState] | None:
+    """:func:`decode_one_finite` given the query's feature row ``fq [B H, 1, D]``, already
+    exponentiated and scaled by any positive per-row constant for log-space maps (such a
+    constant cancels between numerator and denominator): for a map that forms it more
+    cheaply than from its log-features."""
+    b, h, _, d_feat = phi_k.shape
+    dv = v.shape[-1]
+    lk, vv = phi_k.reshape(b * h, 1, d_feat), v.reshape(b * h, 1, dv)
+    kv, z = state.kv.reshape(b * h, d_feat, dv), state.z.reshape(b * h, 1, d_feat)
+    if log_space:
+        assert state.m is not None
+        fk = (lk - state.m.reshape(b * h, 1, 1)).exp_()  # at the current stabiliser
+        kv, z = torch.addcmul(kv, fk.mT, vv), z + fk
+        grew = fk.amax()
+    else:
+        kv, z = torch.addcmul(kv, lk.mT, vv), z + lk
+        grew = None
+    num = torch.bmm(fq, kv)  # [BH, 1, dv]
+    den = torch.bmm(fq, z.mT)  # [BH, 1, 1]
+    out = num / den
+    # one read-back: finiteness (a non-finite query, key or value reaches out or lk), the
+    # smallest denominator and (log space) the largest key feature at the old stabiliser
+    low = den.amin() if log_space else den.abs().amin()  # log-space denominators are > 0 or NaN
+    checks = [out.sum() + lk.sum(), low] + ([grew] if grew is not None else [])
+    total, smallest, *top = torch.stack(checks).tolist()
+    if top and not top[0] <= 1.0:  # a feature above the stabiliser (or NaN): raise it, check again
+        new = absorb_one_finite(state, phi_k, v, log_space=True)
+        num = torch.bmm(fq, new.kv.view(b * h, d_feat, dv))
+        den = torch.bmm(fq, new.z.view(b * h, d_feat, 1))
+        out = num / den
+        total, smallest = torch.stack([out.sum() + lk.sum(), den.amin()]).tolist()
+    else:
+        new = dataclasses.replace(
+            state,
+            kv=kv.view(b, h, d_feat, dv),
+            z=z.view(b, h, d_feat),
+            length=state.length + 1,
+        )
+    if not (math.isfinite(total) and smallest >= eps):
         return None
-    return (num / den).view(b, h, 1, dv), new
+    return out.view(b, h, 1, dv), new
 
 
 def absorb_one_finite(state: CausalState, phi_k: torch.Tensor, v: torch.Tensor, *, log_space: bool) -> CausalState:

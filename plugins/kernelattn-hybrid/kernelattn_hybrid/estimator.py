@@ -45,6 +45,18 @@ def _nonneg_int(name: str, value: object) -> int:
     return value
 
 
+def _flags(state: WindowState) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+    """A window state's flag tensors (``valid``, ``poisoned``, ``sink_valid``, ``lead``)
+    and their in-place versions."""
+    tensors = (state.valid, state.poisoned, state.sink_valid, state.lead)
+    return tensors, tuple(-1 if t is None else t._version for t in tensors)
+
+
+def _same_flags(seen: Any, flags: tuple[tuple[Any, ...], tuple[int, ...]]) -> bool:
+    """Whether ``flags`` are the very tensors of ``seen`` (the same objects, not modified since)."""
+    return seen[1] == flags[1] and all(a is b for a, b in zip(seen[0], flags[0]))
+
+
 class SlidingWindowAttention(AttentionEstimator):
     """Sliding-window + feature-map attention (hybrid local/global, as in LoLCATs and
     Based): exact softmax terms for the keys in a local window (and optional global
@@ -372,6 +384,9 @@ class SlidingWindowAttention(AttentionEstimator):
         fm = self.feature_map
         root = self._input_root(q.shape[-1])  # read now: the scale may change between steps
         q, k = q * root, k * root
+        flags = _flags(state)
+        seen = self.__dict__.get("_clean_flags")  # (tensors, versions, position) that passed the check
+        clean = seen is not None and seen[2] <= p and _same_flags(seen, flags)
         done = window_step_finite(
             state,
             q,
@@ -382,9 +397,12 @@ class SlidingWindowAttention(AttentionEstimator):
             log_space=fm.log_space,
             window=self.window,
             global_tokens=self.global_tokens,
+            clean=clean and p >= w,
         )
         if done is not None:
             self.last_backend = "step"
+            if p >= w and not clean:  # these flag tensors passed at p (the next short steps hand them on)
+                self.__dict__["_clean_flags"] = (*flags, p)
         return done
 
     def _step_one(self, q, k, v, state, mask):  # type: ignore[no-untyped-def]

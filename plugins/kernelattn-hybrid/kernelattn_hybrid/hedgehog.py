@@ -159,22 +159,44 @@ class HedgehogFeatureMap(FeatureMap):
     def _feature_dim(self) -> int:
         return self.num_features
 
-    def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+    def _signed(self, is_query: bool, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[w, -w]`` ``[H, d, 2m]`` and the bias ``[b, -b] + beta`` ``[H, 1, 2m]`` of one side
+        in the dtype of ``x``: both signs from one product (``[u, -u]``, ``u = w.x + b``), with
+        the head's log-scale :math:`\\beta` folded into the bias.
+
+        Without autograd the pair is kept until a weight changes (another tensor, its
+        storage or an in-place update): a decoding step calls the map once per token and
+        layer, and rebuilding the pair is four of its dozen tensor operations. Under
+        autograd it is rebuilt every call (the graph runs through it)."""
         w, b = (self.weight_q, self.bias_q) if is_query else (self.weight_k, self.bias_k)
-        w, b, beta = w.to(x.dtype), b.to(x.dtype), self.log_scale.to(x.dtype)
-        # both signs from one product: [w, -w] and [b, -b] give [u, -u] (u = w.x + b), with
-        # the head's log-scale beta folded into the bias
-        w2, b2 = torch.cat([w, -w], -1), torch.cat([b, -b], -1)  # [H, d, 2m], [H, 2m]
+        beta = self.log_scale
+        sources = (w, b, beta)
+        keep = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        if keep:
+            key = (is_query, x.dtype, x.device)
+            stamp = tuple((t.data_ptr(), t._version) for t in sources)
+            hit = self.__dict__.setdefault("_signed_cache", {}).get(key)
+            if hit is not None and all(a is b_ for a, b_ in zip(hit[0], sources)) and hit[1] == stamp:
+                return hit[2]
+        w, b, beta = (t.to(dtype=x.dtype, device=x.device) for t in sources)
+        pair = torch.cat([w, -w], -1), (torch.cat([b, -b], -1) + beta[:, None])[:, None, :]
+        if keep:
+            self.__dict__["_signed_cache"][key] = (sources, stamp, pair)
+        return pair
+
+    def _features(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        w2, bias = self._signed(is_query, x)  # [H, d, 2m], [H, 1, 2m]
         if self.num_heads is None:
-            u2 = (x @ w2[0]).add_(b2[0] + beta[0])  # [..., 2m] (in place on the fresh product: nothing saved)
+            u2 = (x @ w2[0]).add_(bias[0, 0])  # [..., 2m] (in place on the fresh product: nothing saved)
         else:
             if x.dim() < 3 or x.shape[-3] != self.num_heads:
                 raise InputError(
                     f"x: hedgehog has per-head weights for num_heads = {self.num_heads}; expected "
                     f"[..., {self.num_heads}, N, d], got shape {tuple(x.shape)}"
                 )
-            u2 = (x @ w2).add_((b2 + beta[:, None])[:, None, :])  # [..., H, N, d] @ [H, d, 2m] -> [..., H, N, 2m]
+            u2 = (x @ w2).add_(bias)  # [..., H, N, d] @ [H, d, 2m] -> [..., H, N, 2m]
         if self.activation == "softmax":  # log-softmax over each sign's m entries (beta cancels in it: added back)
+            beta = self.log_scale.to(x.dtype)
             shift = beta[0] if self.num_heads is None else beta[:, None, None]
             u2 = u2.unflatten(-1, (2, -1)).log_softmax(-1).flatten(-2) + shift  # (log_softmax saves its output)
         if self.init == "prf":  # antithetic positive random features e^{+-(w.x + b) - |x|^2 / 2}

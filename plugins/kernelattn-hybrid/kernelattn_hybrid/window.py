@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -1030,6 +1030,7 @@ def window_step_finite(
     log_space: bool,
     window: int,
     global_tokens: int,
+    clean: bool = False,
 ) -> tuple[torch.Tensor, WindowState] | None:
     """:func:`window_step_one` of a position past the start, on the assumption that every
     value is finite and every slot attendable, or ``None`` when it fails (the caller then
@@ -1039,13 +1040,19 @@ def window_step_finite(
     A decoding step is dominated by the number of tensor operations, not their size;
     this one skips the masks, the selections on data and the copies that change nothing
     when the ring buffer is full and valid: the key at :math:`p - w` moves to the
-    features (:math:`c' = \\max(c, \\max_D l_k)`, :math:`S' = e^{c - c'} S + e^{l_k - c'}
-    v^\\top`, :math:`z' = e^{c - c'} z + e^{l_k - c'}`), the new key takes its slot, and the
-    row combines the exact part and the feature part at one log-normaliser, as
-    :func:`window_step_one` does. One synchronisation decides at the end: a non-finite
-    input, an invalid slot, a poisoned head or a denominator :math:`\\le 0` returns ``None``.
-    While the buffer fills (:math:`p < w`: no position has left, no feature part) the
-    row is the exact part alone over the valid slots (:func:`_filling_step`).
+    features (:math:`S' = S + e^{l_k - c} v^\\top`, :math:`z' = z + e^{l_k - c}` at the
+    stabiliser :math:`c` unchanged; when a feature exceeds 1 the step is redone with
+    :math:`c' = \\max(c, \\max_D l_k)` and :math:`S' = e^{c - c'} S + e^{l_k - c'} v^\\top`,
+    as :func:`~kernelattn_core.toolkit.absorb_one_finite` does), the new key takes its slot,
+    and the row combines the exact part (at its largest logit :math:`m_e`) and the feature
+    part (at :math:`m_f`) as
+    :math:`(\\mathrm{num}_e + r\\,\\mathrm{num}_f) / (\\mathrm{den}_e + r\\,\\mathrm{den}_f)` with
+    :math:`r = e^{m_f - m_e}`, the ratio :func:`window_step_one` forms at one
+    log-normaliser. One synchronisation decides at the end: a non-finite row or key
+    feature (a non-finite input, or an ``r`` that overflows, reaches one of them), an
+    invalid slot, a poisoned head or a denominator :math:`\\le 0` returns ``None``. While
+    the buffer fills (:math:`p < w`: no position has left, no feature part) the row is
+    the exact part alone over the valid slots (:func:`_filling_step`).
 
     Parameters
     ----------
@@ -1057,6 +1064,10 @@ def window_step_finite(
         (the leaving position is not global).
     q, k, v, phi_q, key_features, log_space, window, global_tokens
         As :func:`window_step_one` (``window > 0``).
+    clean : bool
+        The caller has seen these flag tensors (``valid``, ``poisoned``, ``sink_valid``,
+        ``lead``) pass the check at a position ``<= p``: it is not repeated (a decode's
+        short steps hand the same flag tensors on).
     """
     p, f = state.length, state.features
     slot = p % window
@@ -1069,11 +1080,19 @@ def window_step_finite(
     d_feat = lk.shape[-1]
     if not (lk.dtype == phi_q.dtype == q.dtype == f.kv.dtype) or phi_q.shape[-1] != d_feat:
         return None  # a map that changes the dtype or the width: the guarded step casts and checks
-    features = absorb_one_finite(f, lk, state.values[:, :, slot : slot + 1], log_space=log_space)
+    leaving = state.values[:, :, slot : slot + 1]
+    lk3 = lk.reshape(bh, 1, d_feat)
+    kv, z = f.kv.reshape(bh, d_feat, dv), f.z.reshape(bh, 1, d_feat)
+    if log_space:  # at the stabiliser as it is; a feature above 1 redoes the step below
+        fk = (lk3 - f.m.reshape(bh, 1, 1)).exp_()
+        kv, z = torch.addcmul(kv, fk.mT, leaving.reshape(bh, 1, dv)), z + fk
+        features = replace(f, kv=kv.view(b, h, d_feat, dv), z=z.view(b, h, d_feat), length=f.length + 1)
+    else:
+        fk = None
+        features = absorb_one_finite(f, lk, leaving, log_space=False)
     # the new key takes the slot (the slot stays valid: the check below covers it)
-    keys, values = state.keys.clone(), state.values.clone()
-    keys[:, :, slot] = k[:, :, 0]
-    values[:, :, slot] = v[:, :, 0]
+    keys = torch.slice_scatter(state.keys, k, 2, slot, slot + 1)
+    values = torch.slice_scatter(state.values, v, 2, slot, slot + 1)
     # exact part: the window and the global tokens, at the row's largest logit
     q3 = q.reshape(bh, 1, d)
     ex_k, ex_v = keys.reshape(bh, window, d), values.reshape(bh, window, dv)
@@ -1085,32 +1104,41 @@ def window_step_finite(
     e = (s - m_e).exp_()
     den_e = e.sum(-1, keepdim=True)  # [BH, 1, 1], >= 1
     num_e = torch.bmm(e, ex_v)  # [BH, 1, dv]
-    # feature part, at a + c
+    # feature part, at m_f = a + c, weighed against the exact part by r = e^{m_f - m_e}
     lq = phi_q.reshape(bh, 1, d_feat)
     if log_space:
         a = lq.amax(-1, keepdim=True)
         fq = (lq - a).exp_()
-        m_f = a + features.m.view(bh, 1, 1)
+        shift = a - m_e  # r = e^{shift + c}
     else:
-        fq = lq
-        m_f = torch.zeros_like(m_e)
-    num_f = torch.bmm(fq, features.kv.view(bh, d_feat, dv))
-    den_f = torch.bmm(fq, features.z.view(bh, d_feat, 1))
-    # one log-normaliser for the row
-    top = torch.maximum(m_e + den_e.log(), m_f + den_f.abs().log())
-    w_e = (m_e - top).exp_()  # <= 1 without a clamp: den_e >= 1 (its largest term is e^0)
-    w_f = (m_f - top).clamp_(max=0.5 * math.log(torch.finfo(top.dtype).max)).exp_()
-    num = torch.addcmul(num_e * w_e, num_f, w_f)
-    den = torch.addcmul(den_e * w_e, den_f, w_f)
-    check = q3.sum() + k.sum() + v.sum() + lq.sum() + lk.sum() + top.sum()
-    ok = torch.isfinite(check) & (den.amin() > 0) & state.valid.all() & ~state.poisoned.any()
-    if global_tokens:
-        ok = ok & state.sink_valid.all()
-        if state.lead is not None:  # the new position is past every row's global tokens
-            ok = ok & (state.lead <= p - global_tokens).all()
-    if not bool(ok):
+        fq, shift = lq, -m_e
+
+    def row(features: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        r = (shift + features.m.view(bh, 1, 1) if log_space else shift).exp()
+        num_f = torch.bmm(fq, features.kv.view(bh, d_feat, dv))
+        den_f = torch.bmm(fq, features.z.view(bh, d_feat, 1))
+        num, den = torch.addcmul(num_e, num_f, r), torch.addcmul(den_e, den_f, r)
+        out = num / den
+        return out, out.sum() + lk3.sum(), den.amin()
+
+    out, total, low = row(features)
+    checks = [total, low]
+    if not clean:
+        ok = state.valid.all() & ~state.poisoned.any()
+        if global_tokens:
+            ok = ok & state.sink_valid.all()
+            if state.lead is not None:  # the new position is past every row's global tokens
+                ok = ok & (state.lead <= p - global_tokens).all()
+        checks.append(ok.to(total.dtype))
+    if fk is not None:
+        checks.append(fk.amax())
+    got = torch.stack(checks).tolist()
+    if fk is not None and not got.pop() <= 1.0:  # a feature above the stabiliser (or NaN): raise it
+        features = absorb_one_finite(f, lk, leaving, log_space=True)
+        out, total, low = row(features)
+        got[:2] = torch.stack([total, low]).tolist()
+    if not (math.isfinite(got[0]) and got[1] > 0 and (clean or got[2] == 1.0)):
         return None
-    out = (num / den).reshape(b, h, 1, dv)
     new = WindowState(
         keys,
         values,
@@ -1124,7 +1152,7 @@ def window_step_finite(
         state.owner,
         state.lead,
     )
-    return out, new
+    return out.reshape(b, h, 1, dv), new
 
 
 def _filling_step(

@@ -189,3 +189,56 @@ def test_a_head_poisoned_while_the_window_fills_stays_guarded(taken: list[bool])
     # p = 3..5 short; from 6 on the NaN, then the poisoned head, declines (p = 16 = window, the first
     # position to leave, is not offered: no feature state yet)
     assert taken == [True] * 3 + [False] * (N - 6 - 1)
+
+
+def test_flags_seen_clean_are_checked_again_after_an_in_place_change(taken: list[bool]) -> None:
+    """The short path checks the state's flags (valid, poisoned, ...) once and skips the check
+    while later states hand the same, unmodified tensors on; a flag set in place is seen."""
+    est = _est("hedgehog", 0, torch.float64)
+    q, k, v = _inputs(torch.float64, seed=6)
+    with torch.no_grad():
+        _, state = est.step(q[:, :, :PREFILL], k[:, :, :PREFILL], v[:, :, :PREFILL])
+        for t in range(PREFILL, 12):
+            _, state = est.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state)
+        assert taken[-3:] == [True] * 3 and est._clean_flags[0][1] is state.poisoned
+        state.poisoned[1, 0] = True  # in place: the same tensor, a new version
+        out, _ = est.step(q[:, :, 12:13], k[:, :, 12:13], v[:, :, 12:13], state)
+        assert taken[-1] is False
+        est._step_finite = lambda *args: None
+        ref, _ = est.step(q[:, :, 12:13], k[:, :, 12:13], v[:, :, 12:13], state)
+        del est._step_finite
+    assert bool(out[1, 0].isnan().all()) and not bool(out[0].isnan().any())
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12, equal_nan=True)
+
+
+def test_a_leaving_key_above_the_stabiliser_raises_it(monkeypatch: pytest.MonkeyPatch, taken: list[bool]) -> None:
+    """A key whose features exceed the feature state's stabiliser when it leaves the window
+    redoes the short step with the stabiliser raised (absorb_one_finite); other leaving keys
+    are added at the stabiliser as it is (no rescaling of the sums)."""
+    from kernelattn_hybrid import window as window_module
+
+    raised: list[int] = []
+    real = window_module.absorb_one_finite
+
+    def counting(state, phi_k, v, *, log_space):  # type: ignore[no-untyped-def]
+        raised.append(state.length)
+        return real(state, phi_k, v, log_space=log_space)
+
+    monkeypatch.setattr(window_module, "absorb_one_finite", counting)
+    est = _est("hedgehog", 0, torch.float64)
+    q, k, v = _inputs(torch.float64, seed=7)
+    _decode(est, q, k, v)
+    plain = set(raised)  # absorb_one_finite gets the features of the positions before the leaving one
+    assert 12 not in plain
+    k[:, :, 12] *= 4.0  # its log-features (+-(w.k + b)) reach far above every other key's
+    ref, ref_state = _decode(est, q, k, v, guarded=True)
+    raised.clear()
+    taken.clear()
+    got, state = _decode(est, q, k, v)
+    assert all(taken) and len(taken) == len(_expected(0))
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    assert torch.equal(state.features.m, ref_state.features.m)
+    big = set(raised) - plain
+    assert big == {12}  # the large key raised the stabiliser when it left the window ...
+    assert not [n for n in raised if n > min(big)]  # ... and no later key reached it again
+    assert len(raised) < len(taken)  # the others were added at the stabiliser as it was
