@@ -340,27 +340,10 @@ def decode_one_finite(
     """
     if not (phi_q.dtype == phi_k.dtype == v.dtype == state.kv.dtype) or phi_q.shape != phi_k.shape:
         return None  # a map that changes the dtype or the width: the guarded step casts and checks
-    b, h, _, d_feat = phi_q.shape
-    lq = phi_q.reshape(b * h, 1, d_feat)
-    fq = (lq - lq.amax(-1, keepdim=True)).exp_() if log_space else lq  # [BH, 1, D]
-    return decode_query_finite(fq, phi_k, v, state, log_space=log_space, eps=eps)
-
-
-def decode_query_finite(
-    fq: torch.Tensor,
-    phi_k: torch.Tensor,
-    v: torch.Tensor,
-    state: CausalState,
-    *,
-    log_space: bool,
-    eps: float,
-) -> tuple[torch.Tensor, CausalState] | None:
-    """:func:`decode_one_finite` given the query's feature row ``fq [B H, 1, D]``, already
-    exponentiated and scaled by any positive per-row constant for log-space maps (such a
-    constant cancels between numerator and denominator): for a map that forms it more
-    cheaply than from its log-features."""
     b, h, _, d_feat = phi_k.shape
     dv = v.shape[-1]
+    lq = phi_q.reshape(b * h, 1, d_feat)
+    fq = (lq - lq.amax(-1, keepdim=True)).exp_() if log_space else lq  # [BH, 1, D]
     lk, vv = phi_k.reshape(b * h, 1, d_feat), v.reshape(b * h, 1, dv)
     kv, z = state.kv.reshape(b * h, d_feat, dv), state.z.reshape(b * h, 1, d_feat)
     if log_space:
@@ -409,8 +392,9 @@ def absorb_one_finite(state: CausalState, phi_k: torch.Tensor, v: torch.Tensor, 
 
     (plain maps: :math:`S' = S + \\phi_k v^\\top`, :math:`z' = z + \\phi_k`). A new state;
     ``state`` is not modified and its other fields (``poisoned``, ``owner``) carry over. The
-    one update of the decoding short paths: a feature-map step
-    (:func:`decode_one_finite`) and the key leaving ``sliding-window``'s window."""
+    decoding short paths (a feature-map step, :func:`decode_one_finite`, and the key
+    leaving ``sliding-window``'s window) add a key at :math:`c` as it is and take this
+    update when the key raises the stabiliser."""
     b, h, _, d_feat = phi_k.shape
     dv = v.shape[-1]
     lk, vv = phi_k.reshape(b * h, d_feat, 1), v.reshape(b * h, 1, dv)
