@@ -48,6 +48,15 @@ _MASK63 = (1 << 63) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
+#: why a compiled call stops at the redraw schedule (``torch.compile(fullgraph=True)`` shows it)
+REDRAW_UNDER_COMPILE = (
+    "kernelattn: redraw_every > 0 counts training calls and draws new random features on the host between "
+    "calls, which one compiled graph cannot hold; with fullgraph=True use redraw_every=0 and call "
+    "feature_map.redraw() outside the compiled function, or compile without fullgraph (one graph break per "
+    "training call, a recompilation after each redraw)"
+)
+
+
 def generator_for(seed: int, draw: int) -> torch.Generator:
     """The CPU generator of draw number ``draw`` under ``seed``."""
     g = torch.Generator(device="cpu")
@@ -569,20 +578,29 @@ class RedrawPolicy(nn.Module):
         self._end_replay()
         self.agree(feature_map)
         if self.every != 0 and feature_map.random:
-            step = int(self.step)
-            if step > 0 and step % self.every == 0:
-                self._settle_seed()
-                self.draws += 1
-                # the redraw writes into new tensors: a pending recompute, or a graph not yet
-                # differentiated that saved the current ones (a compiled call two calls back),
-                # still needs them as they are
-                MapState.detach_from(feature_map)
-                feature_map.redraw(generator=self.generator())
-            self.step += 1
+            self._advance(feature_map)
         if feature_map.random:
             token = checkpoint_token()
             if token is not None:
                 self._pending.add(token, MapState(feature_map))
+
+    def _advance(self, feature_map: FeatureMap) -> None:
+        """Count one training call and redraw ``feature_map`` when it is due. Host work on
+        the schedule's counters and a generator: under ``torch.compile`` it runs eagerly,
+        between two graphs, and ``fullgraph=True`` refuses it with
+        :data:`REDRAW_UNDER_COMPILE`."""
+        if torch.compiler.is_compiling():  # tracing: torch._dynamo is loaded (no import at module level)
+            torch._dynamo.graph_break(msg=REDRAW_UNDER_COMPILE)
+        step = int(self.step)
+        if step > 0 and step % self.every == 0:
+            self._settle_seed()
+            self.draws += 1
+            # the redraw writes into new tensors: a pending recompute, or a graph not yet
+            # differentiated that saved the current ones (a compiled call two calls back),
+            # still needs them as they are
+            MapState.detach_from(feature_map)
+            feature_map.redraw(generator=self.generator())
+        self.step += 1
 
     def _replay(self, feature_map: FeatureMap) -> None:
         """Show ``feature_map`` the draw of the call the current recompute replays, until

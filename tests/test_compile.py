@@ -112,6 +112,37 @@ def test_a_compiled_layer_redrawing_between_two_calls_before_one_backward_equals
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 
+def test_fullgraph_with_a_redraw_schedule_is_refused_naming_it() -> None:
+    """``redraw_every > 0`` is host work between training calls: ``fullgraph=True`` refuses
+    it with a message naming the option and the ways out (it failed deep in Dynamo on a
+    mapping proxy); without fullgraph the layer trains as eagerly, redraws included; with
+    ``redraw_every=0`` the same layer compiles as one graph (the negative control)."""
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(0))
+    for every in (2, 0):
+        dynamo.reset()
+        attn = ka.KernelAttention(16, 2, "prf", batch_first=True, seed=1, num_features=8, redraw_every=every)
+        run = torch.compile(attn, fullgraph=True, backend="aot_eager")
+        if every:
+            with pytest.raises(dynamo.exc.Unsupported, match=r"redraw_every > 0 .* fullgraph=True use redraw_every=0"):
+                run(x)
+        else:
+            run(x)[0].sum().backward()
+    outs, draws = [], []
+    for compile_it in (False, True):
+        dynamo.reset()
+        torch.manual_seed(0)  # the projections
+        attn = ka.KernelAttention(16, 2, "prf", batch_first=True, seed=1, num_features=8, redraw_every=2).double()
+        run = torch.compile(attn, backend="aot_eager") if compile_it else attn
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # Dynamo's own, at the graph break of the schedule
+            outs.append(torch.stack([run(x.double())[0] for _ in range(5)]))
+        draws.append(attn.estimator.redraw_policy.draws)
+    dynamo.reset()
+    assert draws == [2, 2]  # calls 3 and 5 redrew, compiled or not
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-9, atol=1e-12)
+    assert not torch.allclose(outs[0][0], outs[0][2])  # the redraws changed the rows
+
+
 @pytest.mark.parametrize(
     ("name", "causal", "padded", "poisoned"),
     [
