@@ -22,6 +22,7 @@ import torch._dynamo as dynamo
 
 import kernelattn_core as ka
 from kernelattn_core.engine.traced import traced_feature_attention
+from kernelattn_core.errors import InputError
 from kernelattn_core.interfaces import Normalizer
 
 COMPILED = {
@@ -255,4 +256,31 @@ def test_a_mask_the_compiled_call_cannot_kernelize_is_still_refused() -> None:
                 attn(x, **kwargs)
             with pytest.raises(RuntimeError, match=match):
                 compiled(x, **kwargs)
+    dynamo.reset()
+
+
+def test_jit_trace_is_refused_naming_the_alternatives() -> None:
+    """torch.jit.trace froze the engine's run-time decisions into the trace (a later input of
+    another length crashed inside torch with 'unordered_map::at'); it is refused up front."""
+    layer = ka.KernelAttention(32, 2, "prf", num_features=16, causal=True, batch_first=True).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's own warnings before the refusal
+        with pytest.raises(InputError, match=r"torch\.jit\.trace: .*torch\.compile.*torch\.export\.export"):
+            torch.jit.trace(layer, (torch.randn(2, 10, 32),))
+    out, _ = layer(torch.randn(2, 10, 32))  # the same layer, untraced, runs
+    assert out.shape == (2, 10, 32)
+
+
+@pytest.mark.parametrize(("name", "causal"), [("prf", True), ("prf", False), ("hedgehog", True)])
+def test_torch_export_at_a_fixed_length_equals_eager(name: str, causal: bool) -> None:
+    """torch.export.export traces the estimator as one graph (the traced form): the exported
+    program equals the eager layer on new inputs of the traced length, NaN rows included."""
+    torch.manual_seed(0)
+    layer = ka.KernelAttention(32, 2, name, num_features=16, causal=causal, batch_first=True).eval()
+    program = torch.export.export(layer, (torch.randn(2, 12, 32),))
+    y = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(1))
+    y[1, 5, 3] = float("nan")  # causal: rows 5.. of batch 1 NaN; non-causal: all of batch 1
+    got, want = program.module()(y)[0], layer(y)[0]
+    assert torch.equal(got.isnan(), want.isnan()) and bool(want.isnan().any()) and not bool(want[0].isnan().any())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
     dynamo.reset()

@@ -13,6 +13,14 @@ from ..errors import InputError
 from ..validation import check_key_padding_mask, check_qkv, check_scale
 from .state import add_family_marker
 
+#: why ``torch.jit.trace`` is refused (its trace would freeze the run-time decisions)
+JIT_TRACE = (
+    "torch.jit.trace: kernelized attention decides on its input at run time (the quarantine of non-finite "
+    "values, the position groups, the chunking), which a trace would freeze for the traced input and "
+    "silently apply to others; use torch.compile(model) or torch.export.export(model, args) instead "
+    "(both trace the estimators as one graph without data-dependent branches)"
+)
+
 
 class AttentionEstimator(nn.Module, ABC):
     """Abstract attention estimator.
@@ -107,6 +115,8 @@ class AttentionEstimator(nn.Module, ABC):
         key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention output ``[B, H, N, dv]`` (see the class docstring)."""
+        if torch.jit.is_tracing():
+            raise InputError(JIT_TRACE)
         check_qkv(q, k, v)
         mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
         if not isinstance(causal, bool):
