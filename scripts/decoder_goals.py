@@ -11,7 +11,10 @@ running, and say which machine gave them.
     on their constant-size states). The model is the teacher's architecture (GPT-2, width
     256, 4 layers, 4 heads, byte vocabulary) with random weights and positions up to the
     longest context: speed and memory do not depend on the weights. Each context is
-    prefilled once, then ``--tokens`` tokens are decoded one by one.
+    prefilled once, then ``--tokens`` tokens are decoded one by one. Each converted model's
+    ``speedup`` is over the original measured just before it; ``--repeats R`` runs it all
+    R times and ends with the medians (the original's speed at a long context follows the
+    machine's memory bandwidth, which can swing from one minute to the next).
 
 ``compile``
     One training step (forward, backward, Adam) of a small causal LM built from
@@ -37,6 +40,7 @@ running, and say which machine gave them.
 Examples::
 
     python scripts/decoder_goals.py decode --contexts 1024 4096 16384 --threads 2
+    python scripts/decoder_goals.py decode --contexts 1024 16384 --tokens 64 --repeats 3
     python scripts/decoder_goals.py compile --threads 2
     python scripts/decoder_goals.py profile --context 16384 --tokens 32 --estimators prf hedgehog
     python -m kernelattn_core.convert.teacher --output teacher --minutes 10
@@ -101,19 +105,54 @@ def time_decoding(model: Any, context: int, tokens: int, cache: Any) -> dict[str
     return {"prefill_s": prefill, "tokens_per_s": 1.0 / statistics.median(times), "cache_bytes": size}
 
 
+ORIGINAL = "softmax (original, KV cache)"
+
+
 def run_decode(args: argparse.Namespace, sink: list[dict[str, Any]]) -> None:
+    """Each context, each model in turn (the original first), ``--repeats`` times over.
+    Every record carries its ``repeat`` and, for a converted model, ``speedup``: its
+    tokens per second over the original's in the same repeat (measured seconds apart, so
+    the machine's state of the moment reaches both). With several repeats a ``decode
+    summary`` record per model and context follows: the medians of the tokens per second
+    and of the speed-ups, and the smallest and largest speed-up."""
     import kernelattn_core as ka
     from kernelattn_core.convert import KernelCache
 
     base = decode_model(max(args.contexts))
-    models = {"softmax (original, KV cache)": base}
+    models = {ORIGINAL: base}
     for name in args.estimators:
         models[name] = ka.convert_attention(base, name, **STUDENTS[name]).eval()
-    for context in args.contexts:
-        for label, model in models.items():
-            cache = None if model is base else KernelCache()
-            result = time_decoding(model, context, args.tokens, cache)
-            emit({"measure": "decode", "model": label, "context": context, **result}, sink)
+    repeats = getattr(args, "repeats", 1)
+    records = []
+    for repeat in range(repeats):
+        for context in args.contexts:
+            original = None
+            for label, model in models.items():
+                cache = None if model is base else KernelCache()
+                result = time_decoding(model, context, args.tokens, cache)
+                record = {"measure": "decode", "model": label, "context": context, "repeat": repeat, **result}
+                if model is base:
+                    original = result["tokens_per_s"]
+                else:
+                    record["speedup"] = result["tokens_per_s"] / original
+                records.append(record)
+                emit(record, sink)
+    if repeats > 1:
+        for context in args.contexts:
+            for label in models:
+                rows = [r for r in records if r["model"] == label and r["context"] == context]
+                summary = {
+                    "measure": "decode summary",
+                    "model": label,
+                    "context": context,
+                    "repeats": repeats,
+                    "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
+                    "cache_bytes": rows[-1]["cache_bytes"],
+                }
+                if label != ORIGINAL:
+                    ups = [r["speedup"] for r in rows]
+                    summary |= {"speedup": statistics.median(ups), "speedup_min": min(ups), "speedup_max": max(ups)}
+                emit(summary, sink)
 
 
 # ---------------------------------------------------------------------- profile
@@ -313,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--estimators", nargs="+", default=list(STUDENTS))
+    p.add_argument("--repeats", type=int, default=1, help="measure everything this many times (medians at the end)")
     p = sub.add_parser("profile")
     p.add_argument("--context", type=int, default=16384)
     p.add_argument("--tokens", type=int, default=32)

@@ -27,6 +27,25 @@ def test_decode_records_flat_state_memory_and_a_growing_kv_cache(script_module) 
             size[(name, 80)] == size[(name, 128)] > 0
         )  # the same state whatever the context (beyond the window of 64)
         assert size[(name, 128)] < size[(original, 128)]
+    for r in sink:  # each converted model's speed-up is over the original of its repeat and context
+        if r["model"] != original:
+            mine = next(o for o in sink if o["model"] == original and o["context"] == r["context"])
+            assert r["speedup"] == pytest.approx(r["tokens_per_s"] / mine["tokens_per_s"])
+
+
+def test_decode_repeats_end_with_medians(script_module) -> None:  # type: ignore[no-untyped-def]
+    goals = script_module("decoder_goals")
+    sink: list[dict] = []
+    args = argparse.Namespace(contexts=[80], tokens=2, estimators=["prf"], repeats=3)
+    goals.run_decode(args, sink)
+    runs = [r for r in sink if r["measure"] == "decode"]
+    summary = {r["model"]: r for r in sink if r["measure"] == "decode summary"}
+    assert len(runs) == 6 and sorted({r["repeat"] for r in runs}) == [0, 1, 2] and len(summary) == 2
+    ups = sorted(r["speedup"] for r in runs if r["model"] == "prf")
+    assert summary["prf"]["speedup"] == ups[1] and summary["prf"]["speedup_min"] == ups[0]
+    assert summary["prf"]["speedup_max"] == ups[2]
+    speeds = sorted(r["tokens_per_s"] for r in runs if r["model"] == "prf")
+    assert summary["prf"]["tokens_per_s"] == speeds[1]
 
 
 def test_profile_counts_one_attention_call_per_layer_and_token(script_module) -> None:  # type: ignore[no-untyped-def]
