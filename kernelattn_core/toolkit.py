@@ -26,7 +26,8 @@ Registry
     ``resolve``, ``resolve_class`` (names to classes, at build time only).
 Validation and randomness
     ``check_choice``, ``check_key_padding_mask``, ``check_positive_int``, ``check_qkv``,
-    ``check_scale``, ``check_tensor``; ``RedrawPolicy``, ``generator_for``, ``recomputing``
+    ``check_scale``, ``check_tensor``, ``masks_nothing`` (whether a step's padding mask pads
+    none of its positions); ``RedrawPolicy``, ``generator_for``, ``recomputing``
     (whether a forward call is an activation-checkpoint recompute: advance no schedule and
     update no statistic then), ``checkpoint_token`` (which checkpointed call a forward
     call or recompute belongs to), ``PendingDraws`` (a checkpointed call's draws until
@@ -106,6 +107,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
             "check_qkv",
             "check_scale",
             "check_tensor",
+            "masks_nothing",
         )
     },
     **{

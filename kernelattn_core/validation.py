@@ -107,6 +107,28 @@ def check_key_padding_mask(mask: object, batch: int, keys: int, device: torch.de
     return mask
 
 
+def masks_nothing(key_padding_mask: object, q: object) -> bool:
+    """Whether ``key_padding_mask`` leaves every key of a step in: ``None``, or a
+    well-formed bool mask ``[B, T]`` for ``q [B, H, T, d]`` (on ``q``'s device) with no
+    ``True`` entry (one read-back). A malformed mask or ``q`` gives ``False``, so that the
+    caller's guarded path reports it.
+
+    Decoding steps use it to take their short paths under a mask that pads nothing at the
+    new positions: what ``transformers`` passes at every step of batched generation
+    with left-padded prompts."""
+    if key_padding_mask is None:
+        return True
+    ok = (
+        isinstance(q, torch.Tensor)
+        and q.dim() == 4
+        and isinstance(key_padding_mask, torch.Tensor)
+        and key_padding_mask.dtype == torch.bool
+        and tuple(key_padding_mask.shape) == (q.shape[0], q.shape[2])
+        and key_padding_mask.device == q.device
+    )
+    return ok and not bool(key_padding_mask.any())
+
+
 def check_positive_int(name: str, value: object, minimum: int = 1) -> int:
     """Check that ``value`` is an int ``>= minimum`` (bools are rejected)."""
     if isinstance(value, bool) or not isinstance(value, int):

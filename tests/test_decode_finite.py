@@ -125,10 +125,14 @@ def test_padding_autograd_and_tiny_denominators_take_the_guarded_step(taken: lis
     q, k, v = _inputs(torch.float64, seed=2)
     mask = torch.zeros(B, N, dtype=torch.bool)
     mask[0, 6] = True
-    ref, _ = _decode(est, q, k, v, guarded=True, mask=mask)
-    got, _ = _decode(est, q, k, v, mask=mask)
-    assert taken == []  # a padding mask, even one that masks nothing at a step, is the guarded path's
+    ref, ref_state = _decode(est, q, k, v, guarded=True, mask=mask)
+    got, state = _decode(est, q, k, v, mask=mask)
+    # a mask that pads nothing at a step (batched generation passes one every step) takes the
+    # short path; the step that pads a key (t = 6) is the guarded path's
+    assert taken == [True] * (N - PREFILL - 1)
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(_meaning(state), _meaning(ref_state), rtol=1e-12, atol=1e-12)
+    taken.clear()
 
     # a prefill whose keys are all padded in one row (stabiliser -inf), then steps without a mask
     pad = torch.zeros(B, PREFILL, dtype=torch.bool)
@@ -234,3 +238,31 @@ def test_a_key_above_the_stabiliser_raises_it_and_others_do_not(monkeypatch: pyt
     torch.testing.assert_close(_meaning(state), _meaning(ref_state), rtol=1e-12, atol=1e-12)
     assert t in raised and not [n for n in raised if n > t]  # raised by the large key, by none after it
     assert len(raised) < N - PREFILL  # the other keys were added at the stabiliser as it was
+
+
+def test_batched_generation_with_left_padding_takes_the_short_path(taken: list[bool]) -> None:
+    """transformers passes the attention mask at every step of batched generation; where it
+    pads none of the new positions the short path runs (it did not: every token of a
+    left-padded batch took the guarded step), with the same tokens as the guarded step."""
+    pytest.importorskip("transformers")
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+    model = ka.convert_attention(transformers.GPT2LMHeadModel(config).eval(), "prf", num_features=16).eval()
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :4], ids[0, :4] = 0, 0  # the first prompt is left-padded
+    runs = []
+    for guarded in (True, False):
+        for layer in model.transformer.h:
+            if guarded:
+                layer.attn.estimator._step_finite = lambda *args: None
+            else:
+                layer.attn.estimator.__dict__.pop("_step_finite", None)
+        with torch.no_grad():
+            runs.append(
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            )
+    assert taken == [True] * (5 * 2)  # 5 one-token steps after the prompt, 2 layers
+    assert torch.equal(runs[1], runs[0])

@@ -35,7 +35,7 @@ from ..interfaces.names import construct, resolve_class
 from ..interfaces.normalizer import Normalizer, takes_causal
 from ..interfaces.state import StateOwner, check_state, check_state_tensor
 from ..redraw import RedrawPolicy
-from ..validation import all_finite, check_positive_int, check_seed
+from ..validation import all_finite, check_positive_int, check_seed, masks_nothing
 from .kernels import SoftmaxKernel
 
 #: kept for plugins written before the toolkit (``from kernelattn_core.builtins.estimators import _construct``)
@@ -337,7 +337,7 @@ class FeatureMapAttention(AttentionEstimator):
             call would choose (the Triton step for CUDA tensors when Triton imports), in
             eval or training mode alike (no redraw happens between steps).
         """
-        if state is not None and key_padding_mask is None and not torch.is_grad_enabled():
+        if state is not None and not torch.is_grad_enabled() and masks_nothing(key_padding_mask, q):
             fast = self._step_finite(q, k, v, state)
             if fast is not None:
                 return fast

@@ -20,6 +20,7 @@ from kernelattn_core.toolkit import (
     check_state_tensor,
     compute_dtype,
     finite_rows,
+    masks_nothing,
 )
 
 from . import window as window_module
@@ -316,7 +317,7 @@ class SlidingWindowAttention(AttentionEstimator):
         state : WindowState
             To pass to the next call. No redraw happens between steps.
         """
-        if state is not None and key_padding_mask is None and not torch.is_grad_enabled():
+        if state is not None and not torch.is_grad_enabled() and masks_nothing(key_padding_mask, q):
             fast = self._step_finite(q, k, v, state)
             if fast is not None:
                 return fast

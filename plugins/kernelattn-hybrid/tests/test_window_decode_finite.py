@@ -242,3 +242,24 @@ def test_a_leaving_key_above_the_stabiliser_raises_it(monkeypatch: pytest.Monkey
     assert big == {12}  # the large key raised the stabiliser when it left the window ...
     assert not [n for n in raised if n > min(big)]  # ... and no later key reached it again
     assert len(raised) < len(taken)  # the others were added at the stabiliser as it was
+
+
+def test_a_mask_that_pads_nothing_at_a_step_takes_the_short_path(taken: list[bool]) -> None:
+    """Batched generation passes a padding mask at every step; where it pads none of the new
+    positions the short path runs (equal to the guarded step), and a step that pads a key
+    is the guarded step's."""
+    est = _est("hedgehog", 2, torch.float64)
+    q, k, v = _inputs(torch.float64, seed=8)
+    mask = torch.zeros(B, N, dtype=torch.bool)
+    mask[0, :2] = True  # a left-padded row (its global tokens start at 2)
+    mask[1, 15] = True  # a hole while decoding: that step is guarded
+    ref, ref_state = _decode(est, q, k, v, guarded=True, mask=mask)
+    taken.clear()
+    got, state = _decode(est, q, k, v, mask=mask)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    for name in ("keys", "values", "valid", "poisoned"):
+        torch.testing.assert_close(getattr(state, name), getattr(ref_state, name), rtol=1e-12, atol=1e-12)
+    # offered at p = 3 and from p = 6 (W + g), except p = 15 (it pads a key): declined at 3 (row 0's
+    # global token) and 6, 7 (row 0's global tokens 2, 3 leave the window), short at 8-14, declined at
+    # 16-19 (the hole's invalid slot is in the window), short again from 20
+    assert taken == [False] * 3 + [True] * 7 + [False] * 4 + [True] * 4
