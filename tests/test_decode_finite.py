@@ -266,3 +266,40 @@ def test_batched_generation_with_left_padding_takes_the_short_path(taken: list[b
             )
     assert taken == [True] * (5 * 2)  # 5 one-token steps after the prompt, 2 layers
     assert torch.equal(runs[1], runs[0])
+
+
+@pytest.mark.parametrize("name", ["prf", "sliding-window"])
+def test_beam_search_takes_the_short_path(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A beam search reorders the cache at every step, which restates each state's owner (an
+    equal copy, another object): the short path took only the owner the estimator stated
+    itself, so every beam step ran the guarded step. Same sequences as the guarded path."""
+    pytest.importorskip("transformers")
+    import transformers
+    from kernelattn_hybrid import estimator as hybrid_module
+
+    calls: list[bool] = []
+    for module, attr in ((estimators_module, "decode_one_finite"), (hybrid_module, "window_step_finite")):
+        real = getattr(module, attr)
+
+        def counting(*args, _real=real, **kwargs):  # type: ignore[no-untyped-def]
+            result = _real(*args, **kwargs)
+            calls.append(result is not None)
+            return result
+
+        monkeypatch.setattr(module, attr, counting)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+    options = {"window": 8, "num_features": 8} if name == "sliding-window" else {"num_features": 16}
+    model = ka.convert_attention(transformers.GPT2LMHeadModel(config).eval(), name, **options).eval()
+    ids = torch.randint(3, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for guarded in (True, False):
+        for layer in model.transformer.h:
+            if guarded:
+                layer.attn.estimator._step_finite = lambda *args: None
+            else:
+                layer.attn.estimator.__dict__.pop("_step_finite", None)
+        with torch.no_grad():
+            runs.append(model.generate(input_ids=ids, num_beams=3, max_new_tokens=6, do_sample=False, pad_token_id=0))
+    assert calls == [True] * (5 * 2)  # every one-token step of both layers (after the prompt) went short
+    assert torch.equal(runs[1], runs[0])

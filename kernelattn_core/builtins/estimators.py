@@ -397,16 +397,19 @@ class FeatureMapAttention(AttentionEstimator):
         """One decoding position on :func:`~kernelattn_core.engine.torch_backend.decode_one_finite`,
         or ``None`` for the guarded path of :meth:`step`.
 
-        Taken only for a state the previous ``step`` of this estimator returned (its
-        owner, the same object), inputs of one position with that call's batch, heads,
-        widths and dtype on the CPU, no padding mask, no autograd, a state not poisoned
-        and every value finite; the guarded path checks and quarantines the rest, with
-        the same result where both apply."""
+        Taken only for a state of the owner the previous ``step`` of this estimator stated
+        (that object, or an equal one: a beam search's reorder restates it), inputs of one
+        position with that call's batch, heads, widths and dtype on the CPU, a padding mask
+        that pads none of them, no autograd, a state not poisoned and every value finite;
+        the guarded path checks and quarantines the rest, with the same result where both
+        apply."""
         plan = getattr(self, "_finite_step", None)
         if plan is None or type(state) is not CausalState or state.poisoned is not None:
             return None
         owner, q_shape, v_shape, kv_shape, dtype = plan
-        if state.owner is not owner or state.kv.shape != kv_shape or state.kv.dtype != dtype:
+        # the owner this estimator stated (or an equal copy: a cache's reorder for beam search
+        # restates it, as the guarded step's check of the state accepts)
+        if (state.owner is not owner and state.owner != owner) or state.kv.shape != kv_shape or state.kv.dtype != dtype:
             return None
         for x, shape in ((q, q_shape), (k, q_shape), (v, v_shape)):
             if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype or x.device.type != "cpu":

@@ -367,17 +367,20 @@ class SlidingWindowAttention(AttentionEstimator):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: object
     ) -> tuple[torch.Tensor, WindowState] | None:
         """One decoding position on :func:`~kernelattn_hybrid.window.window_step_finite`, or
-        ``None`` for the guarded path of :meth:`step`: taken only for a state the previous
-        ``step`` of this estimator returned (its owner, the same object), past the global
-        tokens, while the window fills or once a position has left it past the global
-        tokens, for inputs of one position with that call's shapes and dtype on the CPU,
-        no padding mask and no autograd."""
+        ``None`` for the guarded path of :meth:`step`: taken only for a state of the owner
+        the previous ``step`` of this estimator stated (that object, or an equal one: a beam
+        search's reorder restates it), past the global tokens, while the window fills or
+        once a position has left it past the global tokens, for inputs of one position with
+        that call's shapes and dtype on the CPU, a padding mask that pads none of them and
+        no autograd."""
         plan = getattr(self, "_finite_step", None)
         if plan is None or type(state) is not WindowState:
             return None
         owner, q_shape, v_shape, dtype = plan
         p, w, g = state.length, self.window, self.global_tokens
-        if state.owner is not owner or p < g or (p >= w and (state.features is None or p - w < g)):
+        if (state.owner is not owner and state.owner != owner) or p < g:  # an equal owner: a beam reorder's copy
+            return None
+        if p >= w and (state.features is None or p - w < g):
             return None
         for x, shape in ((q, q_shape), (k, q_shape), (v, v_shape)):
             if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype or x.device.type != "cpu":
