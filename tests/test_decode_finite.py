@@ -240,19 +240,16 @@ def test_a_key_above_the_stabiliser_raises_it_and_others_do_not(monkeypatch: pyt
     assert len(raised) < N - PREFILL  # the other keys were added at the stabiliser as it was
 
 
-def test_batched_generation_with_left_padding_takes_the_short_path(taken: list[bool]) -> None:
-    """transformers passes the attention mask at every step of batched generation; where it
-    pads none of the new positions the short path runs (it did not: every token of a
-    left-padded batch took the guarded step), with the same tokens as the guarded step."""
-    pytest.importorskip("transformers")
-    import transformers
-
+def _tiny_gpt2(name: str, options: dict) -> torch.nn.Module:
+    """A random-weight GPT-2 (2 layers, width 32) converted to ``name``."""
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=2)
-    model = ka.convert_attention(transformers.GPT2LMHeadModel(config).eval(), "prf", num_features=16).eval()
-    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(2, 12, dtype=torch.long)
-    mask[0, :4], ids[0, :4] = 0, 0  # the first prompt is left-padded
+    return ka.convert_attention(transformers.GPT2LMHeadModel(config).eval(), name, **options).eval()
+
+
+def _generate_guarded_then_short(model: torch.nn.Module, **kwargs: object) -> list[torch.Tensor]:
+    """``model.generate(**kwargs)`` with the short paths switched off, then on."""
     runs = []
     for guarded in (True, False):
         for layer in model.transformer.h:
@@ -261,11 +258,21 @@ def test_batched_generation_with_left_padding_takes_the_short_path(taken: list[b
             else:
                 layer.attn.estimator.__dict__.pop("_step_finite", None)
         with torch.no_grad():
-            runs.append(
-                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-            )
+            runs.append(model.generate(max_new_tokens=6, do_sample=False, pad_token_id=0, **kwargs))
+    return runs
+
+
+def test_batched_generation_with_left_padding_takes_the_short_path(taken: list[bool]) -> None:
+    """transformers passes the attention mask at every step of batched generation; where it
+    pads none of the new positions the short path runs (it did not: every token of a
+    left-padded batch took the guarded step), with the same tokens as the guarded step."""
+    model = _tiny_gpt2("prf", {"num_features": 16})
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :4], ids[0, :4] = 0, 0  # the first prompt is left-padded
+    guarded, short = _generate_guarded_then_short(model, input_ids=ids, attention_mask=mask)
     assert taken == [True] * (5 * 2)  # 5 one-token steps after the prompt, 2 layers
-    assert torch.equal(runs[1], runs[0])
+    assert torch.equal(short, guarded)
 
 
 @pytest.mark.parametrize("name", ["prf", "sliding-window"])
@@ -273,8 +280,6 @@ def test_beam_search_takes_the_short_path(name: str, monkeypatch: pytest.MonkeyP
     """A beam search reorders the cache at every step, which restates each state's owner (an
     equal copy, another object): the short path took only the owner the estimator stated
     itself, so every beam step ran the guarded step. Same sequences as the guarded path."""
-    pytest.importorskip("transformers")
-    import transformers
     from kernelattn_hybrid import estimator as hybrid_module
 
     calls: list[bool] = []
@@ -287,19 +292,9 @@ def test_beam_search_takes_the_short_path(name: str, monkeypatch: pytest.MonkeyP
             return result
 
         monkeypatch.setattr(module, attr, counting)
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=2)
     options = {"window": 8, "num_features": 8} if name == "sliding-window" else {"num_features": 16}
-    model = ka.convert_attention(transformers.GPT2LMHeadModel(config).eval(), name, **options).eval()
+    model = _tiny_gpt2(name, options)
     ids = torch.randint(3, 64, (2, 20), generator=torch.Generator().manual_seed(1))
-    runs = []
-    for guarded in (True, False):
-        for layer in model.transformer.h:
-            if guarded:
-                layer.attn.estimator._step_finite = lambda *args: None
-            else:
-                layer.attn.estimator.__dict__.pop("_step_finite", None)
-        with torch.no_grad():
-            runs.append(model.generate(input_ids=ids, num_beams=3, max_new_tokens=6, do_sample=False, pad_token_id=0))
+    guarded, short = _generate_guarded_then_short(model, input_ids=ids, num_beams=3)
     assert calls == [True] * (5 * 2)  # every one-token step of both layers (after the prompt) went short
-    assert torch.equal(runs[1], runs[0])
+    assert torch.equal(short, guarded)
