@@ -238,6 +238,8 @@ class FeatureMap(nn.Module, ABC):
             # inference tensor buffer could never be saved for a later training step's backward
             with torch.inference_mode(False):
                 self.head_dim = head_dim
+                if self._built_head_dim.is_inference():  # the map was made under inference_mode
+                    self._built_head_dim = self._built_head_dim.clone()
                 self._built_head_dim.fill_(head_dim)
                 self._build(head_dim)
                 self.redraw(generator=generator)

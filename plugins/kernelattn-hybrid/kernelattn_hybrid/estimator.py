@@ -46,10 +46,13 @@ def _nonneg_int(name: str, value: object) -> int:
     return value
 
 
-def _flags(state: WindowState) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+def _flags(state: WindowState) -> tuple[tuple[Any, ...], tuple[int, ...]] | None:
     """A window state's flag tensors (``valid``, ``poisoned``, ``sink_valid``, ``lead``)
-    and their in-place versions."""
+    and their in-place versions; ``None`` when one of them keeps no version (an inference
+    tensor, made under ``torch.inference_mode()``): such flags are checked every step."""
     tensors = (state.valid, state.poisoned, state.sink_valid, state.lead)
+    if any(t is not None and t.is_inference() for t in tensors):
+        return None
     return tensors, tuple(-1 if t is None else t._version for t in tensors)
 
 
@@ -390,7 +393,7 @@ class SlidingWindowAttention(AttentionEstimator):
         q, k = q * root, k * root
         flags = _flags(state)
         seen = self.__dict__.get("_clean_flags")  # (tensors, versions, position) that passed the check
-        clean = seen is not None and seen[2] <= p and _same_flags(seen, flags)
+        clean = flags is not None and seen is not None and seen[2] <= p and _same_flags(seen, flags)
         done = window_step_finite(
             state,
             q,
@@ -405,7 +408,7 @@ class SlidingWindowAttention(AttentionEstimator):
         )
         if done is not None:
             self.last_backend = "step"
-            if p >= w and not clean:  # these flag tensors passed at p (the next short steps hand them on)
+            if p >= w and not clean and flags is not None:  # these flags passed at p (the next steps hand them on)
                 self.__dict__["_clean_flags"] = (*flags, p)
         return done
 

@@ -172,6 +172,7 @@ class HedgehogFeatureMap(FeatureMap):
         beta = self.log_scale
         sources = (w, b, beta)
         keep = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        keep = keep and not any(t.is_inference() for t in sources)  # an inference tensor keeps no version
         if keep:
             key = (is_query, x.dtype, x.device)
             stamp = tuple((t.data_ptr(), t._version) for t in sources)
