@@ -22,13 +22,14 @@ from kernelattn_core.toolkit import (
     check_state_tensor,
     isolated_pre,
     isolated_rows,
+    masks_nothing,
     non_finite_rows,
     resolve_class,
 )
 
 from .claims import OPTION_CLAIMS
 from .feature_maps import RFAFeatures, TrigSoftmaxFeatures
-from .gate import Gate, GateState, gated_sums_state
+from .gate import Gate, GateState, gated_step_finite, gated_sums_state
 from .normalizers import SignedRowNormalizer
 
 
@@ -344,6 +345,10 @@ class RFAGateAttention(AttentionEstimator):
             :math:`[S_t, z_t]` after the last new position. No redraw happens between
             steps.
         """
+        if state is not None and not torch.is_grad_enabled() and masks_nothing(key_padding_mask, q):
+            fast = self._step_finite(q, k, v, state)
+            if fast is not None:
+                return fast
         q, k, mask = self._step_inputs(q, k, v, key_padding_mask)
         if not self.feature_map.built:
             self.redraw_policy.initial(self.feature_map, q.shape[-1])
@@ -358,7 +363,56 @@ class RFAGateAttention(AttentionEstimator):
                 check_state_tensor("poisoned", state.poisoned, (b, h), q.device, owner, "[B, H]")
         out, state = self._run(q, k, v, mask, state, redraw=False)
         state.owner = owner
+        self._finite_step = self._finite_step_plan(q, v, owner)
         return out, state
+
+    def _finite_step_plan(self, q: torch.Tensor, v: torch.Tensor, owner: StateOwner) -> tuple | None:
+        """What :meth:`_step_finite` needs to continue a state of this call's owner (``None``
+        when it cannot: another device, half precision, a normaliser with its own ``pre`` or
+        ``post``, or a map that adds work of its own to its features)."""
+        plain = (
+            q.device.type == "cpu"
+            and q.dtype in (torch.float32, torch.float64)
+            and type(self.normalizer).pre is Normalizer.pre
+            and type(self.normalizer).post is Normalizer.post
+            and self.feature_map.plain_features()
+            and type(self)._step_inputs is AttentionEstimator._step_inputs
+        )
+        if not plain:
+            return None
+        b, h, _, d = q.shape
+        dv = v.shape[-1]
+        return (owner, (b, h, 1, d), (b, h, 1, dv), (b, h, self.feature_map.feature_dim, dv + 1), q.dtype)
+
+    def _step_finite(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: object
+    ) -> tuple[torch.Tensor, GateState] | None:
+        """One decoding position on :func:`~kernelattn_fourier.gate.gated_step_finite`, or
+        ``None`` for the guarded path of :meth:`step` (the chunked gated scan, which for one
+        position costs about four times as much): taken only for a state of the owner the
+        previous ``step`` stated (or an equal one), not poisoned, inputs of one position
+        with that call's shapes and dtype on the CPU, a padding mask that pads none of them
+        and no autograd; a non-finite value anywhere declines."""
+        plan = getattr(self, "_finite_step", None)
+        if plan is None or type(state) is not GateState or state.poisoned is not None:
+            return None
+        owner, q_shape, v_shape, kv_shape, dtype = plan
+        if (state.owner is not owner and state.owner != owner) or state.kv.shape != kv_shape or state.kv.dtype != dtype:
+            return None
+        for x, shape in ((q, q_shape), (k, q_shape), (v, v_shape)):
+            if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype or x.device.type != "cpu":
+                return None
+        fm = self.feature_map
+        root = self._input_root(q.shape[-1])  # read now: the scale may change between steps
+        q, k = q * root, k * root
+        phi_q, phi_k = fm._features(q, True), fm._features(k, False)
+        if phi_q.dtype != dtype or phi_k.shape[-1] != kv_shape[2]:
+            return None
+        done = gated_step_finite(phi_q, phi_k, v, self.gate(k), state, self.normalizer.normalize)
+        if done is not None:
+            done[1].owner = owner
+            self.last_backend = "torch"
+        return done
 
     def state_owner(self, q: torch.Tensor, v: torch.Tensor) -> StateOwner:
         """The :class:`~kernelattn_core.interfaces.state.StateOwner` of the decoding states

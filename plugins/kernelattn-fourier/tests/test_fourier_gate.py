@@ -362,3 +362,68 @@ def test_kernel_attention_decodes_rfa_gate_with_a_constant_size_state() -> None:
         assert isinstance(state, GateState) and state.kv.shape == (2, 2, 16, 7)  # D = 2m, dv + 1
         outs.append(out)
     torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=1e-11, atol=1e-12)
+
+
+@pytest.fixture
+def short_steps(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """One entry per call of rfa-gate's short decoding step: whether it returned (True) or declined."""
+    from kernelattn_fourier import estimators as estimators_module
+
+    calls: list[bool] = []
+    real = estimators_module.gated_step_finite
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        result = real(*args, **kwargs)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(estimators_module, "gated_step_finite", counting)
+    return calls
+
+
+def _decode_gated(est, q, k, v, mask=None, guarded=False):  # type: ignore[no-untyped-def]
+    """A 4-position prefill, then one position per step (``guarded``: the short step off)."""
+    if guarded:
+        est._step_finite = lambda *args: None
+    with torch.no_grad():
+        cut = (lambda a, b: None) if mask is None else (lambda a, b: mask[:, a:b])
+        out, state = est.step(q[:, :, :4], k[:, :, :4], v[:, :, :4], key_padding_mask=cut(0, 4))
+        outs = [out]
+        for t in range(4, q.shape[2]):
+            out, state = est.step(
+                q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state, key_padding_mask=cut(t, t + 1)
+            )
+            outs.append(out)
+    if guarded:
+        del est._step_finite
+    return torch.cat(outs, 2), state
+
+
+def test_decoding_one_position_takes_the_short_step(short_steps: list[bool]) -> None:
+    """A one-position step (no autograd, nothing padded) runs gated_step_finite, about fifteen
+    operations instead of the chunked scan: the guarded step's rows and state (and the
+    causal call's rows); a padded position, a non-finite value and what follows a poisoned
+    head take the guarded step."""
+    est = _gated_estimator(chunk_size=4).eval()
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 2, 14, s, generator=g, dtype=torch.float64) for s in (6, 6, 3))
+    ref, ref_state = _decode_gated(est, q, k, v, guarded=True)
+    assert short_steps == []
+    got, state = _decode_gated(est, q, k, v)
+    assert short_steps == [True] * 10
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(state.kv, ref_state.kv, rtol=1e-12, atol=1e-12)
+    assert state.length == ref_state.length == 14 and state.owner == ref_state.owner
+    with torch.no_grad():
+        torch.testing.assert_close(got, est(q, k, v, causal=True), rtol=1e-11, atol=1e-12)
+    # a padded position is the guarded step's; a NaN key declines and poisons its head for good
+    mask = torch.zeros(2, 14, dtype=torch.bool)
+    mask[0, 7] = True
+    k[1, 0, 10, 2] = float("nan")
+    ref, ref_state = _decode_gated(est, q, k, v, mask=mask, guarded=True)
+    short_steps.clear()
+    got, state = _decode_gated(est, q, k, v, mask=mask)
+    assert short_steps == [True] * 3 + [True] * 2 + [False]  # 4-6 short, 7 padded (not offered), 8-9, 10 declines
+    assert torch.equal(got.isnan(), ref.isnan()) and bool(got[1, 0, 10:].isnan().all())
+    torch.testing.assert_close(got[~ref.isnan()], ref[~ref.isnan()], rtol=1e-12, atol=1e-12)
+    assert torch.equal(state.poisoned, ref_state.poisoned)
