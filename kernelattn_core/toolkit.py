@@ -16,7 +16,7 @@ Groups
 Interfaces and errors
     ``AttentionEstimator``, ``FeatureMap``, ``FusedFeatureSpec``, ``Kernel``, ``KernelFamily``,
     ``DotProductKernel``, ``ShiftInvariantKernel``, ``Normalizer``, ``StateOwner``,
-    ``check_state``, ``check_state_tensor``; ``KernelAttnError``, ``InputError``,
+    ``check_state``, ``check_state_tensor``, ``continues_state``; ``KernelAttnError``, ``InputError``,
     ``DomainError``, ``PluginError``, ``PluginWarning``, ``UnknownNameError``; ``hookimpl``.
 Built-ins to build on
     ``ExactAttention``, ``FeatureMapAttention``, ``EluFeatureMap``, ``SoftmaxKernel``,
@@ -27,7 +27,8 @@ Registry
 Validation and randomness
     ``check_choice``, ``check_key_padding_mask``, ``check_positive_int``, ``check_qkv``,
     ``check_scale``, ``check_tensor``, ``masks_nothing`` (whether a step's padding mask pads
-    none of its positions); ``RedrawPolicy``, ``generator_for``, ``recomputing``
+    none of its positions), ``one_position`` (whether a step's inputs are the one position
+    a decoding short path planned for); ``RedrawPolicy``, ``generator_for``, ``recomputing``
     (whether a forward call is an activation-checkpoint recompute: advance no schedule and
     update no statistic then), ``checkpoint_token`` (which checkpointed call a forward
     call or recompute belongs to), ``PendingDraws`` (a checkpointed call's draws until
@@ -82,7 +83,10 @@ _EXPORTS: dict[str, tuple[str, str]] = {
             "ShiftInvariantKernel",
         )
     },
-    **{n: ("kernelattn_core.interfaces.state", n) for n in ("StateOwner", "check_state", "check_state_tensor")},
+    **{
+        n: ("kernelattn_core.interfaces.state", n)
+        for n in ("StateOwner", "check_state", "check_state_tensor", "continues_state")
+    },
     # built-ins
     **{
         n: ("kernelattn_core.builtins", n)
@@ -108,6 +112,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
             "check_scale",
             "check_tensor",
             "masks_nothing",
+            "one_position",
         )
     },
     **{

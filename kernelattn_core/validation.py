@@ -107,6 +107,19 @@ def check_key_padding_mask(mask: object, batch: int, keys: int, device: torch.de
     return mask
 
 
+def one_position(
+    q: object, k: object, v: object, q_shape: tuple[int, ...], v_shape: tuple[int, ...], dtype: torch.dtype
+) -> bool:
+    """Whether ``q``, ``k`` (``q_shape``) and ``v`` (``v_shape``) are CPU tensors of exactly
+    these shapes and ``dtype``: what a decoding short path planned for (one position of
+    the batch, heads and widths of the step that made its plan). Anything else gives
+    ``False``, so that the caller's guarded path checks and reports it."""
+    return all(
+        isinstance(x, torch.Tensor) and x.shape == shape and x.dtype == dtype and x.device.type == "cpu"
+        for x, shape in ((q, q_shape), (k, q_shape), (v, v_shape))
+    )
+
+
 def masks_nothing(key_padding_mask: object, q: object) -> bool:
     """Whether ``key_padding_mask`` leaves every key of a step in: ``None``, or a
     well-formed bool mask ``[B, T]`` for ``q [B, H, T, d]`` (on ``q``'s device) with no

@@ -33,9 +33,9 @@ from ..interfaces.feature_map import FeatureMap, prepare_takes_scale
 from ..interfaces.kernel import Kernel
 from ..interfaces.names import construct, resolve_class
 from ..interfaces.normalizer import Normalizer, takes_causal
-from ..interfaces.state import StateOwner, check_state, check_state_tensor
+from ..interfaces.state import StateOwner, check_state, check_state_tensor, continues_state
 from ..redraw import RedrawPolicy
-from ..validation import all_finite, check_positive_int, check_seed, masks_nothing
+from ..validation import all_finite, check_positive_int, check_seed, masks_nothing, one_position
 from .kernels import SoftmaxKernel
 
 #: kept for plugins written before the toolkit (``from kernelattn_core.builtins.estimators import _construct``)
@@ -407,13 +407,10 @@ class FeatureMapAttention(AttentionEstimator):
         if plan is None or type(state) is not CausalState or state.poisoned is not None:
             return None
         owner, q_shape, v_shape, kv_shape, dtype = plan
-        # the owner this estimator stated (or an equal copy: a cache's reorder for beam search
-        # restates it, as the guarded step's check of the state accepts)
-        if (state.owner is not owner and state.owner != owner) or state.kv.shape != kv_shape or state.kv.dtype != dtype:
+        if not continues_state(state, owner) or state.kv.shape != kv_shape or state.kv.dtype != dtype:
             return None
-        for x, shape in ((q, q_shape), (k, q_shape), (v, v_shape)):
-            if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype or x.device.type != "cpu":
-                return None
+        if not one_position(q, k, v, q_shape, v_shape, dtype):
+            return None
         fm = self.feature_map
         root = self._input_root(q.shape[-1])  # read now: scale and eps may change between steps
         eps = self.normalizer.eps if self.normalizer.eps is not None else torch.finfo(dtype).tiny

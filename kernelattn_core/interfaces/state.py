@@ -73,6 +73,14 @@ def check_state(state: object, kind: type, owner: StateOwner) -> None:
     )
 
 
+def continues_state(state: object, owner: StateOwner) -> bool:
+    """Whether ``state`` (any decoding state with an ``owner`` field) was stated by ``owner``:
+    that object, or an equal one (a cache reorder for beam search restates it), as
+    :func:`check_state` accepts. The decoding short paths' test (no exception, no text)."""
+    got = getattr(state, "owner", None)
+    return got is owner or got == owner
+
+
 def check_state_tensor(
     name: str, t: object, shape: tuple[int, ...], device: torch.device, owner: StateOwner, what: str
 ) -> None:

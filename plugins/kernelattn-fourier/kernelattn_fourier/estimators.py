@@ -20,10 +20,12 @@ from kernelattn_core.toolkit import (
     check_qkv,
     check_state,
     check_state_tensor,
+    continues_state,
     isolated_pre,
     isolated_rows,
     masks_nothing,
     non_finite_rows,
+    one_position,
     resolve_class,
 )
 
@@ -397,11 +399,10 @@ class RFAGateAttention(AttentionEstimator):
         if plan is None or type(state) is not GateState or state.poisoned is not None:
             return None
         owner, q_shape, v_shape, kv_shape, dtype = plan
-        if (state.owner is not owner and state.owner != owner) or state.kv.shape != kv_shape or state.kv.dtype != dtype:
+        if not continues_state(state, owner) or state.kv.shape != kv_shape or state.kv.dtype != dtype:
             return None
-        for x, shape in ((q, q_shape), (k, q_shape), (v, v_shape)):
-            if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype or x.device.type != "cpu":
-                return None
+        if not one_position(q, k, v, q_shape, v_shape, dtype):
+            return None
         fm = self.feature_map
         root = self._input_root(q.shape[-1])  # read now: the scale may change between steps
         q, k = q * root, k * root

@@ -19,8 +19,10 @@ from kernelattn_core.toolkit import (
     check_state,
     check_state_tensor,
     compute_dtype,
+    continues_state,
     finite_rows,
     masks_nothing,
+    one_position,
 )
 
 from . import window as window_module
@@ -381,13 +383,10 @@ class SlidingWindowAttention(AttentionEstimator):
             return None
         owner, q_shape, v_shape, dtype = plan
         p, w, g = state.length, self.window, self.global_tokens
-        if (state.owner is not owner and state.owner != owner) or p < g:  # an equal owner: a beam reorder's copy
+        if not continues_state(state, owner) or p < g or (p >= w and (state.features is None or p - w < g)):
             return None
-        if p >= w and (state.features is None or p - w < g):
+        if not one_position(q, k, v, q_shape, v_shape, dtype):
             return None
-        for x, shape in ((q, q_shape), (k, q_shape), (v, v_shape)):
-            if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype or x.device.type != "cpu":
-                return None
         fm = self.feature_map
         root = self._input_root(q.shape[-1])  # read now: the scale may change between steps
         q, k = q * root, k * root
