@@ -90,19 +90,12 @@ def small_groups(chunk: int | None) -> Iterator[None]:
         return
     from ..engine import grouped
 
-    saved = getattr(grouped, "GROUP_BYTES", None)
-    saved_short = getattr(grouped, "SHORT_TRAINING", None)
-    if saved is not None:
-        grouped.GROUP_BYTES = 1
-    if saved_short is not None:  # short training calls too: several groups
-        grouped.SHORT_TRAINING = 0
+    saved = grouped.GROUP_BYTES, grouped.SHORT_TRAINING
+    grouped.GROUP_BYTES, grouped.SHORT_TRAINING = 1, 0  # short training calls too: several groups
     try:
         yield
     finally:
-        if saved is not None:
-            grouped.GROUP_BYTES = saved
-        if saved_short is not None:
-            grouped.SHORT_TRAINING = saved_short
+        grouped.GROUP_BYTES, grouped.SHORT_TRAINING = saved
 
 
 def _set_chunk(est: Any, chunk: int | None) -> None:
