@@ -354,20 +354,22 @@ def decode_one_finite(
     else:
         kv, z = torch.addcmul(kv, lk.mT, vv), z + lk
         grew = None
-    num = torch.bmm(fq, kv)  # [BH, 1, dv]
-    den = torch.bmm(fq, z.mT)  # [BH, 1, 1]
-    out = num / den
-    # one read-back: finiteness (a non-finite query, key or value reaches out or lk), the
-    # smallest denominator and (log space) the largest key feature at the old stabiliser
-    low = den.amin() if log_space else den.abs().amin()  # log-space denominators are > 0 or NaN
-    checks = [out.sum() + lk.sum(), low] + ([grew] if grew is not None else [])
-    total, smallest, *top = torch.stack(checks).tolist()
+
+    def read(kv: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The row ``[BH, 1, dv]`` from ``kv [BH, D, dv]`` and ``z [BH, 1, D]``, its finiteness
+        sum (a non-finite query, key or value reaches the row or ``lk``) and the smallest
+        denominator (log-space denominators are > 0 or NaN)."""
+        den = torch.bmm(fq, z.mT)  # [BH, 1, 1]
+        out = torch.bmm(fq, kv) / den
+        return out, out.sum() + lk.sum(), den.amin() if log_space else den.abs().amin()
+
+    out, total, low = read(kv, z)
+    # one read-back, with (log space) the largest key feature at the old stabiliser
+    total, smallest, *top = torch.stack([total, low] + ([grew] if grew is not None else [])).tolist()
     if top and not top[0] <= 1.0:  # a feature above the stabiliser (or NaN): raise it, check again
         new = absorb_one_finite(state, phi_k, v, log_space=True)
-        num = torch.bmm(fq, new.kv.view(b * h, d_feat, dv))
-        den = torch.bmm(fq, new.z.view(b * h, d_feat, 1))
-        out = num / den
-        total, smallest = torch.stack([out.sum() + lk.sum(), den.amin()]).tolist()
+        out, total, low = read(new.kv.view(b * h, d_feat, dv), new.z.view(b * h, 1, d_feat))
+        total, smallest = torch.stack([total, low]).tolist()
     else:
         new = dataclasses.replace(
             state,
