@@ -4,8 +4,10 @@ and :class:`~kernelattn_hybrid.HedgehogFeatureMap`) and the callables they refer
 * ``sliding-window``: EN001 against :func:`~kernelattn_hybrid.naive.window_attention_naive`
   built from the estimator's own features, over every window mode (no window, a
   window inside a block, a window of a whole block, a window covering the sequence),
-  global tokens and maps (log-space learned, log-space random, plain); AT002 with and
-  without global tokens.
+  global tokens and maps (log-space learned, log-space random, plain), and with heavy
+  keys (non-causal; chosen by the reference from the full feature matrix,
+  :func:`~kernelattn_hybrid.naive.heavy_keys_naive`); AT002 with and without global
+  tokens.
 * ``hedgehog``: RT001, the features are the stated formula at trained-like parameters
   for each activation, per-head and shared weights; ``tied`` shares the two sides; the
   ``prf`` initialisation is antithetic positive random features of one fixed Gaussian
@@ -23,7 +25,7 @@ import torch
 
 from kernelattn_core.toolkit import ConsistentAttention, EngineReference, RuntimeIdentity
 
-from .naive import leading_padding, window_attention_naive
+from .naive import heavy_keys_naive, leading_padding, window_attention_naive
 
 
 # --------------------------------------------------------------------------- sliding-window
@@ -33,9 +35,53 @@ def sliding_window_reference(
     """EN001 reference: the full ``[N, M]`` weight matrix of
     :func:`~kernelattn_hybrid.naive.window_attention_naive` from the estimator's map (its
     ``prepare`` and raw features), window and global tokens (counted from each row's
-    leading padding, :func:`~kernelattn_hybrid.naive.leading_padding`)."""
+    leading padding, :func:`~kernelattn_hybrid.naive.leading_padding`), and the heavy keys
+    chosen from the full feature-map attention matrix
+    (:func:`~kernelattn_hybrid.naive.heavy_keys_naive`)."""
     fm = est.feature_map
     fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)
+    phi_q, phi_k = fm.raw_features(q, query=True), fm.raw_features(k, query=False)
+    offset = None if key_padding_mask is None else leading_padding(key_padding_mask)
+    return window_attention_naive(
+        q,
+        k,
+        v,
+        phi_q,
+        phi_k,
+        log_space=fm.log_space,
+        window=est.window,
+        global_tokens=est.global_tokens,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        global_offset=offset,
+        heavy=_heavy_reference(est, phi_q, phi_k, key_padding_mask, offset),
+    )
+
+
+def _heavy_reference(est: Any, phi_q: torch.Tensor, phi_k: torch.Tensor, kpm: Any, offset: Any) -> Any:
+    """The heavy keys by :func:`~kernelattn_hybrid.naive.heavy_keys_naive`: among the valid
+    keys that are not global tokens, the mass summed over the valid queries (``None``
+    without heavy keys)."""
+    s = getattr(est, "heavy_keys", 0)
+    if not s:
+        return None
+    n, m = phi_q.shape[-2], phi_k.shape[-2]
+    pos = torch.arange(m, device=phi_k.device)
+    o = torch.zeros(phi_k.shape[0], 1, dtype=torch.long, device=phi_k.device) if offset is None else offset[:, None]
+    eligible = (pos < o) | (pos >= o + est.global_tokens)
+    valid = None if kpm is None else ~kpm
+    rows = valid if (valid is not None and n == m) else None
+    return heavy_keys_naive(
+        phi_q, phi_k, s, log_space=est.feature_map.log_space, eligible=eligible, key_valid=valid, query_valid=rows
+    )
+
+
+def sliding_window_reference_no_heavy(
+    est: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, key_padding_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Negative control of the heavy-key EN001: the reference with the heavy keys left
+    out (they enter through the features), which the estimator must not equal."""
+    fm = est.feature_map
     phi_q, phi_k = fm.raw_features(q, query=True), fm.raw_features(k, query=False)
     return window_attention_naive(
         q,
@@ -88,6 +134,14 @@ SLIDING_WINDOW_GRID: tuple[dict[str, Any], ...] = (
     {"window": 2, "global_tokens": 2, "feature_map": "hedgehog", "activation": "softmax", "tied": True},
 )
 
+#: heavy keys with each form and map kind (non-causal; seq_len 23)
+HEAVY_GRID: tuple[dict[str, Any], ...] = (
+    {"window": 2, "global_tokens": 1, "heavy_keys": 3, "block_size": None},
+    {"window": 0, "heavy_keys": 5, "block_size": 4},
+    {"window": 3, "global_tokens": 2, "heavy_keys": 2, "block_size": 5, "feature_map": "elu"},
+    {"window": 1, "heavy_keys": 4, "block_size": None, "feature_map": "prf"},
+)
+
 SLIDING_WINDOW_CLAIMS: tuple[Any, ...] = (
     EngineReference(
         reference=sliding_window_reference,
@@ -99,6 +153,22 @@ SLIDING_WINDOW_CLAIMS: tuple[Any, ...] = (
     EngineReference(
         reference=sliding_window_reference_no_globals,
         options={"window": 2, "global_tokens": 2, "block_size": 4},
+        expect="fail",
+    ),
+    # heavy keys (non-causal): the blocked form (far blocks at block 4), the dense form, with
+    # and without global tokens, log-space and plain maps; the reference chooses them from the
+    # full feature matrix. Left out of the reference, the check must fail.
+    EngineReference(
+        reference=sliding_window_reference,
+        options={"window": 2, "global_tokens": 1, "heavy_keys": 3, "block_size": 4},
+        grid=HEAVY_GRID,
+        modes=(False,),
+        perturb=0.2,
+    ),
+    EngineReference(
+        reference=sliding_window_reference_no_heavy,
+        options={"window": 2, "global_tokens": 1, "heavy_keys": 3, "block_size": 4},
+        modes=(False,),
         expect="fail",
     ),
     # with unbiased random features outside the window (prf), the error and the bias of the

@@ -27,6 +27,7 @@ from kernelattn_core.toolkit import (
 
 from . import window as window_module
 from .claims import SLIDING_WINDOW_CLAIMS
+from .heavy import HeavyKeys, select_heavy_keys
 from .naive import leading_padding
 from .window import (
     WindowState,
@@ -78,7 +79,9 @@ class SlidingWindowAttention(AttentionEstimator):
     with :math:`W_i = \\{ j : |i - j| \\le w \\}` non-causal (``2w + 1`` keys) or
     :math:`W_i = \\{ j : i - w < j \\le i \\}` causal (the last ``w`` keys), plus the first
     ``global_tokens`` keys of the row after its leading padding (attention sinks such as
-    ``[CLS]`` or a decoder's first token) for every query.
+    ``[CLS]`` or a decoder's first token) for every query, plus (non-causal, with
+    ``heavy_keys = s``) the :math:`s` keys of each head that draw the most attention by
+    the feature map's estimate (:mod:`kernelattn_hybrid.heavy`).
     Linear in sequence length (see :mod:`kernelattn_hybrid.window`); with
     :math:`w \\ge N` it is exact softmax attention.
 
@@ -100,6 +103,14 @@ class SlidingWindowAttention(AttentionEstimator):
         Passed to maps with per-head parameters (``hedgehog``); ignored by others.
     head_dim : int, optional
         Build the map now; otherwise on the first call.
+    heavy_keys : int
+        Non-causal only: each head's ``s`` keys of largest estimated attention mass
+        :math:`\\hat c_j = \\sum_i \\phi_q(q_i)^\\top \\phi_k(k_j) / \\sum_{j'} \\phi_q(q_i)^\\top
+        \\phi_k(k_{j'})` (valid keys other than the global tokens, chosen anew at every call
+        in :math:`O((N + M) D)`, :mod:`kernelattn_hybrid.heavy`) are exact for every query
+        (counted in :attr:`budget`). For encoders whose heads spread their attention beyond
+        any window onto a few keys (all-MiniLM-L6-v2's last layers); ``0`` (default): none.
+        A causal call or a decoding step refuses it (the choice reads every query).
     global_tokens : int
         The first this many keys of each row are always exact (counted in :attr:`budget`).
         They are counted from the end of the row's **leading padding**: with
@@ -156,6 +167,7 @@ class SlidingWindowAttention(AttentionEstimator):
         num_heads: int | None = None,
         head_dim: int | None = None,
         global_tokens: int = 0,
+        heavy_keys: int = 0,
         block_size: int | None = None,
         redraw_every: int = 0,
         seed: int | None = None,
@@ -165,6 +177,7 @@ class SlidingWindowAttention(AttentionEstimator):
         super().__init__(scale=scale)
         self.window = _nonneg_int("window", window)
         self.global_tokens = _nonneg_int("global_tokens", global_tokens)
+        self.heavy_keys = _nonneg_int("heavy_keys", heavy_keys)
         self.block_size = None if block_size is None else check_positive_int("block_size", block_size)
         if self.block_size is not None and self.block_size < self.window:
             raise InputError(f"block_size: expected >= window ({self.window}), got {self.block_size}")
@@ -199,8 +212,10 @@ class SlidingWindowAttention(AttentionEstimator):
 
     def exact_keys(self, causal: bool = False) -> int:
         """Keys computed exactly per query: ``2w + 1`` (non-causal) or ``w`` (causal),
-        plus the global tokens."""
-        return (self.window if causal else 2 * self.window + 1) + self.global_tokens
+        plus the global tokens, plus the heavy keys (non-causal)."""
+        if causal:
+            return self.window + self.global_tokens
+        return 2 * self.window + 1 + self.global_tokens + self.heavy_keys
 
     def budget(self, causal: bool = False) -> int:
         """Total per-query budget: exact keys plus features (what a budget comparison
@@ -223,7 +238,53 @@ class SlidingWindowAttention(AttentionEstimator):
         # the factor is applied in _attend, on the copies that its masking makes anyway
         return self._attend(q, k, v, causal, key_padding_mask, root=root)
 
+    def _refuse_causal_heavy(self, causal: bool, what: str = "causal") -> None:
+        if causal and self.heavy_keys:
+            raise InputError(
+                f"{what}: sliding-window with heavy_keys={self.heavy_keys} is non-causal only (the heavy keys are "
+                "chosen from every query's attention); got a causal call. Use heavy_keys=0 for causal attention "
+                "and decoding"
+            )
+
+    def _heavy(self, q, k, key_padding_mask, phi_q=None, phi_k=None, query_ok=None) -> HeavyKeys | None:  # type: ignore[no-untyped-def]
+        """Each head's heavy keys for scaled ``q`` and ``k`` (finite here: non-finite rows
+        were zeroed), or ``None``: chosen among the valid keys that are not global tokens,
+        by the queries ``query_ok [B, H, N]`` (the finite ones) that are valid (padded
+        positions of self-attention count as neither). The features are computed here
+        unless given (the dense path's tensors)."""
+        if not self.heavy_keys:
+            return None
+        fm = self.feature_map
+        with torch.no_grad():
+            dtype = compute_dtype(q.dtype)
+            lq = (fm.raw_features(q, query=True) if phi_q is None else phi_q).to(dtype)
+            lk = (fm.raw_features(k, query=False) if phi_k is None else phi_k).to(dtype)
+            m = k.shape[-2]
+            key_valid = None if key_padding_mask is None else ~key_padding_mask
+            query_valid = key_valid[:, None, :] if (key_valid is not None and q.shape[-2] == m) else None
+            if query_ok is not None:
+                query_valid = query_ok if query_valid is None else query_valid & query_ok
+            eligible = None
+            if self.global_tokens:
+                pos = torch.arange(m, device=k.device)
+                offset = self._global_offset(key_padding_mask)
+                if offset is None:
+                    eligible = (pos >= self.global_tokens)[None].expand(k.shape[0], m)
+                else:
+                    o = offset[:, None]
+                    eligible = (pos < o) | (pos >= o + self.global_tokens)
+            return select_heavy_keys(
+                lq.detach(),
+                lk.detach(),
+                self.heavy_keys,
+                log_space=fm.log_space,
+                eligible=eligible,
+                key_valid=key_valid,
+                query_valid=query_valid,
+            )
+
     def _attend(self, q, k, v, causal, key_padding_mask, redraw=True, root=1.0):  # type: ignore[no-untyped-def]
+        self._refuse_causal_heavy(causal)
         # Keys and values that are padded, or non-finite, are zeroed before any product:
         # a matmul would spread them (0 * NaN) into queries that must not see them (padding,
         # future positions inside a block). A non-finite key or value that a query *may*
@@ -242,14 +303,14 @@ class SlidingWindowAttention(AttentionEstimator):
         # NaN row would send 0 * NaN into the keys' and values' gradients of every row
         bad_q = ~finite_rows(q)  # [B, H, N]
         q.masked_fill_(bad_q.unsqueeze(-1), 0.0)
-        out = self._attend_finite(q, k, v, causal, key_padding_mask, redraw)
+        out = self._attend_finite(q, k, v, causal, key_padding_mask, redraw, query_ok=~bad_q)
         if causal:
             poisoned = dead.cummax(-1).values[..., : q.shape[-2]]  # [B, H, N]: some earlier key is non-finite
         else:
             poisoned = dead.any(-1, keepdim=True).expand(q.shape[:-1])
         return out.masked_fill((poisoned | bad_q).unsqueeze(-1), float("nan"))
 
-    def _attend_finite(self, q, k, v, causal, key_padding_mask, redraw=True):  # type: ignore[no-untyped-def]
+    def _attend_finite(self, q, k, v, causal, key_padding_mask, redraw=True, query_ok=None):  # type: ignore[no-untyped-def]
         fm = self.feature_map
         if not fm.built:
             self.redraw_policy.initial(fm, q.shape[-1])
@@ -273,13 +334,19 @@ class SlidingWindowAttention(AttentionEstimator):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         if self.block_size is None and q.shape[-2] * k.shape[-2] <= window_module.DENSE_MAX_PAIRS:
             self.last_backend = "dense"
-            out = window_attention_dense(q, k, v, features(q, True), features(k, False), **kw)
+            phi_q, phi_k = features(q, True), features(k, False)
+            kw["heavy"] = self._heavy(q, k, key_padding_mask, phi_q, phi_k, query_ok)
+            out = window_attention_dense(q, k, v, phi_q, phi_k, **kw)
         else:
             self.last_backend = "blocked"
             block = self.block_size or max(self.window, MIN_BLOCK)
             block = min(block, max(q.shape[-2], k.shape[-2], self.window, 1))
-            # the features as a function: the blocked kernel applies it to its padded copies
-            out = window_attention_blocked(q, k, v, features, features, block_size=block, **kw)
+            if self.heavy_keys:  # the features once, for the choice and the kernel (which copies them)
+                phi_q, phi_k = features(q, True), features(k, False)
+                kw["heavy"] = self._heavy(q, k, key_padding_mask, phi_q, phi_k, query_ok)
+                out = window_attention_blocked(q, k, v, phi_q, phi_k, block_size=block, **kw)
+            else:  # the features as a function: the blocked kernel applies it to its padded copies
+                out = window_attention_blocked(q, k, v, features, features, block_size=block, **kw)
         return out.to(out_dtype)
 
     # ------------------------------------------------------------------ decoding
@@ -322,6 +389,7 @@ class SlidingWindowAttention(AttentionEstimator):
         state : WindowState
             To pass to the next call. No redraw happens between steps.
         """
+        self._refuse_causal_heavy(True, "step")
         if state is not None and not torch.is_grad_enabled() and masks_nothing(key_padding_mask, q):
             fast = self._step_finite(q, k, v, state)
             if fast is not None:
@@ -533,6 +601,7 @@ class SlidingWindowAttention(AttentionEstimator):
         # The rows' weights formed directly, O(R M (d + D)), instead of one-hot values
         # through the blocked path (O(N M (C + D)) for a fit step). Non-finite keys are
         # zeroed before any product, and a row that may see one is NaN, as in ``_attend``.
+        self._refuse_causal_heavy(causal)
         dead = ~finite_rows(k)  # [B, H, M]
         if key_padding_mask is not None:
             dead = dead & ~key_padding_mask[:, None, :]
@@ -544,6 +613,10 @@ class SlidingWindowAttention(AttentionEstimator):
         fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)
         dtype = compute_dtype(q.dtype)
         q_rows = q[:, :, rows]
+        # the heavy keys are chosen by every query, as the forward chooses them (a non-finite
+        # query is left out of the choice there too: its own row is NaN either way)
+        q_ok = finite_rows(q)
+        heavy = self._heavy(q.masked_fill(~q_ok.unsqueeze(-1), 0.0), k, key_padding_mask, query_ok=q_ok)
         w = window_weights_rows(
             q_rows.to(dtype),
             k.to(dtype),
@@ -556,6 +629,7 @@ class SlidingWindowAttention(AttentionEstimator):
             causal=causal,
             key_padding_mask=key_padding_mask,
             global_offset=self._global_offset(key_padding_mask),
+            heavy=heavy,
         )
         self.last_backend = "rows"
         pos = torch.arange(k.shape[-2], device=k.device)
@@ -564,4 +638,5 @@ class SlidingWindowAttention(AttentionEstimator):
         return w.to(q.dtype).masked_fill(poisoned.unsqueeze(-1), float("nan"))
 
     def extra_repr(self) -> str:
-        return f"window={self.window}, global_tokens={self.global_tokens}, scale={self.scale}"
+        heavy = f", heavy_keys={self.heavy_keys}" if self.heavy_keys else ""
+        return f"window={self.window}, global_tokens={self.global_tokens}{heavy}, scale={self.scale}"

@@ -78,6 +78,8 @@ import torch.nn.functional as F
 
 from kernelattn_core.toolkit import absorb_one_finite, exp_kept, exp_nonpositive, prefix_stabiliser
 
+from .heavy import HeavyKeys
+
 NEG = float("-inf")
 
 
@@ -117,6 +119,7 @@ def window_attention_blocked(
     key_padding_mask: torch.Tensor | None,
     block_size: int,
     global_offset: torch.Tensor | None = None,
+    heavy: HeavyKeys | None = None,
 ) -> torch.Tensor:
     """Sliding-window + feature-map attention (see the module docstring).
 
@@ -140,6 +143,9 @@ def window_attention_blocked(
         Where the global tokens of each row start: the keys ``o_b .. o_b + g - 1`` of row
         ``b`` (the estimator passes the row's leading padding,
         :func:`~kernelattn_hybrid.naive.leading_padding`); ``None``: ``0 .. g - 1``.
+    heavy : HeavyKeys, optional
+        Non-causal only: each head's heavy keys (:mod:`kernelattn_hybrid.heavy`), exact
+        for every query like global tokens (valid keys that are not global tokens).
 
     Returns
     -------
@@ -147,6 +153,8 @@ def window_attention_blocked(
     view of the kernel's padded layout (not contiguous: the estimator's own masking step
     makes its output contiguous).
     """
+    if causal and heavy is not None:
+        raise ValueError("heavy keys are defined for non-causal attention only")
     if causal and callable(phi_q):
         phi_q = phi_q(q, True)
     if causal and callable(phi_k):
@@ -164,6 +172,7 @@ def window_attention_blocked(
             key_padding_mask=key_padding_mask,
             block_size=block_size,
             global_offset=global_offset,
+            heavy=heavy,
         )
     return _causal(
         q,
@@ -198,6 +207,11 @@ def _gather_keys(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x [B, H, M, e]`` at the per-row positions ``index [B, g]``: ``[B, H, g, e]``."""
     b_, h_, _, e = x.shape
     return x.gather(2, index[:, None, :, None].expand(b_, h_, index.shape[1], e))
+
+
+def _gather_head_keys(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, M, e]`` at the per-head positions ``index [B, H, s]``: ``[B, H, s, e]``."""
+    return x.gather(2, index[..., None].expand(*index.shape, x.shape[-1]))
 
 
 def _is_global(global_offset: torch.Tensor | None, g: int, pos: torch.Tensor) -> torch.Tensor:
@@ -499,6 +513,7 @@ def _noncausal(
     key_padding_mask: torch.Tensor | None,
     block_size: int,
     global_offset: torch.Tensor | None = None,
+    heavy: HeavyKeys | None = None,
 ) -> torch.Tensor:
     """The non-causal case of :func:`window_attention_blocked` with few passes over the
     ``[T, C, 3C]`` local scores (``T = B H (nb + 2)`` blocks of the flat layout of
@@ -515,7 +530,9 @@ def _noncausal(
     exact logit :math:`m_i`, feature terms at :math:`a_i + c` (:math:`c` the largest key
     log-feature), both restated at the row's log-normaliser. Everything per block is
     computed by :func:`_noncausal_local`: once over all blocks under autograd, over chunks
-    of :data:`CHUNK_BYTES` without it (no Python loop is recorded by autograd)."""
+    of :data:`CHUNK_BYTES` without it (no Python loop is recorded by autograd). Heavy keys
+    join the global keys (exact for every row) and leave the window and feature sets of
+    their head."""
     b_, h_, n, _ = q.shape
     m_keys, dv = k.shape[-2], v.shape[-1]
     device, dtype = q.device, q.dtype
@@ -530,6 +547,8 @@ def _noncausal(
     if key_padding_mask is not None:
         valid = ~key_padding_mask
     feat_key = valid & ~_is_global(global_offset, g, pos)  # keys of the window and feature sets (globals apart) [B, M]
+    if heavy is not None:  # per head: [B, H, M]
+        feat_key = feat_key[:, None, :] & ~heavy.mask(m_keys)
     glob = _global_keys(global_offset, g, valid, m_keys)  # per-row global keys, or None: 0 .. g - 1
 
     def flat(x: torch.Tensor, ones: bool = False) -> torch.Tensor:
@@ -560,7 +579,8 @@ def _noncausal(
     # more than it saves, and masked terms are exact zeros.
     tiny = math.log(torch.finfo(dtype).tiny)
     low_e, low_f = (-math.inf, -math.inf) if recorded else (tiny / 3, tiny)
-    not_feat = flat(feat_key[:, None, :, None].expand(b_, h_, m_keys, 1).to(dtype)) == 0  # [T C, 1]
+    per_head = feat_key if feat_key.dim() == 3 else feat_key[:, None, :]  # [B, 1 or H, M]
+    not_feat = flat(per_head[..., None].expand(b_, h_, m_keys, 1).to(dtype)) == 0  # [T C, 1]
     if log_space:
         a_f = lq.detach().amax(-1, keepdim=True)  # [T C, 1]
         a_f = torch.where(torch.isfinite(a_f), a_f, torch.zeros_like(a_f))
@@ -609,19 +629,24 @@ def _noncausal(
             blk.far = _far_sums(s_blk).reshape(t_blk, -1, dv + 1)[inner]  # [T - 2, D, dv + 1]
         else:  # formed chunk by chunk (_far_rows): no [T, D, dv + 1] tensor
             blk.s_blk, blk.far_of = s_blk.flatten(-2), _far_of(p, s_blk)
-    if g > 0:  # the global keys of every block's sequence, with a column of ones, and their bias
-        ones = torch.ones(b_, h_, g, 1, dtype=v.dtype, device=device)
-        per_block = (b_, h_, p, g)
-        if glob is None:
-            k_g, v_g, g_valid = k[:, :, :g], v[:, :, :g], valid[:, :g]
-        else:  # per-row global keys [B, H, g, .]
+    if g > 0 or heavy is not None:  # the global (and heavy) keys of every block's sequence, ones, their bias
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # keys, values, validity [B, H, ., .]
+        if g > 0 and glob is None:
+            parts.append((k[:, :, :g], v[:, :, :g], valid[:, None, :g].expand(b_, h_, g)))
+        elif g > 0:  # per-row global keys [B, H, g, .]
             index, g_valid = glob
-            k_g, v_g = _gather_keys(k, index), _gather_keys(v, index)
-        blk.k_g = k_g[:, :, None].expand(*per_block, k.shape[-1]).reshape(t_blk, g, -1)[inner]  # [T - 2, g, d]
+            parts.append((_gather_keys(k, index), _gather_keys(v, index), g_valid[:, None].expand(b_, h_, g)))
+        if heavy is not None:  # per-head heavy keys [B, H, s, .]
+            parts.append((_gather_head_keys(k, heavy.index), _gather_head_keys(v, heavy.index), heavy.valid))
+        k_g, v_g, g_valid = (torch.cat(x, 2) if len(x) > 1 else x[0] for x in zip(*parts, strict=True))
+        n_g = k_g.shape[2]
+        per_block = (b_, h_, p, n_g)
+        ones = torch.ones(b_, h_, n_g, 1, dtype=v.dtype, device=device)
+        blk.k_g = k_g[:, :, None].expand(*per_block, k.shape[-1]).reshape(t_blk, n_g, -1)[inner]  # [T - 2, G, d]
         v_g = torch.cat([v_g, ones], -1)[:, :, None].expand(*per_block, dv + 1)
-        blk.v_g = v_g.reshape(t_blk, g, dv + 1)[inner]
-        g_bias = torch.zeros(b_, g, dtype=dtype, device=device).masked_fill(~g_valid, NEG)
-        blk.g_bias = g_bias[:, None, None].expand(*per_block).reshape(t_blk, 1, g)[inner]  # [T - 2, 1, g]
+        blk.v_g = v_g.reshape(t_blk, n_g, dv + 1)[inner]
+        g_bias = torch.zeros(b_, h_, n_g, dtype=dtype, device=device).masked_fill(~g_valid, NEG)
+        blk.g_bias = g_bias[:, :, None].expand(*per_block).reshape(t_blk, 1, n_g)[inner]  # [T - 2, 1, G]
 
     bias, outside = _static_masks(c_blk, window, device, dtype)
     if one_pass:
@@ -688,14 +713,17 @@ class _Blocks:
 
 def _key_bias(feat_key: torch.Tensor, heads: int, p: int, block: int, dtype: torch.dtype) -> torch.Tensor:
     """``[B H P, 3C]``: for every block of the flat layout, 0 at its local keys that are
-    feature keys (valid, not global; those inside the window are exact) and
-    :math:`-\\infty` at the others, zero blocks included."""
-    b_, m_keys = feat_key.shape
+    feature keys (valid, not global or heavy; those inside the window are exact) and
+    :math:`-\\infty` at the others, zero blocks included. ``feat_key`` is ``[B, M]`` (the
+    same for every head) or ``[B, H, M]``."""
+    b_, m_keys = feat_key.shape[0], feat_key.shape[-1]
     # per sequence: one margin block, one zero block, the keys padded to nb C, one zero block, one margin block
-    ok = F.pad(feat_key, (2 * block, (p + 2) * block - 2 * block - m_keys), value=False)  # [B, (P + 2) C]
+    ok = F.pad(feat_key, (2 * block, (p + 2) * block - 2 * block - m_keys), value=False)  # [B, (H,) (P + 2) C]
     bias = torch.zeros(ok.shape, dtype=dtype, device=feat_key.device).masked_fill(~ok, NEG)
-    bias = bias.unfold(-1, 3 * block, block)  # [B, P, 3C]
-    return bias[:, None].expand(b_, heads, p, 3 * block).reshape(b_ * heads * p, 3 * block)
+    bias = bias.unfold(-1, 3 * block, block)  # [B, (H,) P, 3C]
+    if feat_key.dim() == 2:
+        bias = bias[:, None].expand(b_, heads, p, 3 * block)
+    return bias.reshape(b_ * heads * p, 3 * block)
 
 
 def _far_rows(s_blk: torch.Tensor, far_of: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
@@ -805,6 +833,7 @@ def window_attention_dense(
     causal: bool,
     key_padding_mask: torch.Tensor | None,
     global_offset: torch.Tensor | None = None,
+    heavy: HeavyKeys | None = None,
 ) -> torch.Tensor:
     """:func:`window_attention_blocked` for short inputs: the same rows from ``[N, M]``
     matrices (a few batched products and element-wise passes instead of some sixty
@@ -835,6 +864,12 @@ def window_attention_dense(
         valid = ~key_padding_mask[:, None, None, :]  # [B, 1, 1, M]
         exact, feat = exact & valid, feat & valid  # [B, 1, N, M]
         feat_key = feat_key & valid[:, 0, 0]  # [B, M]
+    if heavy is not None:  # valid keys, exact for every row of their head: [B, H, N, M] sets, [B, H, M] keys
+        if causal:
+            raise ValueError("heavy keys are defined for non-causal attention only")
+        hk = heavy.mask(m_keys)
+        exact, feat = exact | hk[:, :, None, :], feat & ~hk[:, :, None, :]
+        feat_key = (feat_key if feat_key.dim() == 1 else feat_key[:, None, :]) & ~hk
     # masks as factors (the gate; the exponentials without autograd, _exp_masked): those
     # arguments are clamped, and q, k, v and the features are finite here, so a factor 0 is
     # an exact 0
@@ -848,7 +883,8 @@ def window_attention_dense(
     e = _exp_masked(s - m_e, exact, recorded)  # <= 1, 0 off the exact set
 
     if log_space:
-        fk_keep = feat_key.to(dtype).view(-1, 1, m_keys, 1)  # [1 or B, 1, M, 1]
+        fk_keep = (feat_key if feat_key.dim() == 3 else feat_key.view(-1, 1, m_keys)).to(dtype)[..., None]
+        # [1 or B, 1 or H, M, 1]
         with torch.no_grad():
             a = phi_q.amax(-1, keepdim=True)  # [B, H, N, 1]
             a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
@@ -897,6 +933,7 @@ def window_weights_rows(
     causal: bool,
     key_padding_mask: torch.Tensor | None,
     global_offset: torch.Tensor | None = None,
+    heavy: HeavyKeys | None = None,
 ) -> torch.Tensor:
     """The normalised weights ``[B, H, R, M]`` of the query positions ``rows`` alone.
 
@@ -920,6 +957,8 @@ def window_weights_rows(
         Query positions.
     global_offset : Tensor ``[B]`` of int, optional
         Per-row start of the global tokens, as in :func:`window_attention_blocked`.
+    heavy : HeavyKeys, optional
+        Non-causal: each head's heavy keys, as in :func:`window_attention_blocked`.
 
     Returns
     -------
@@ -932,6 +971,11 @@ def window_weights_rows(
     if key_padding_mask is not None:
         valid = ~key_padding_mask[:, None, None, :]
         ex, fe = ex & valid, fe & valid
+    if heavy is not None:
+        if causal:
+            raise ValueError("heavy keys are defined for non-causal attention only")
+        hk = heavy.mask(k.shape[-2])[:, :, None, :]  # [B, H, 1, M]
+        ex, fe = ex | hk, fe & ~hk
     s = (q_rows @ k.transpose(-1, -2)).masked_fill(~ex, NEG)  # [B, H, R, M]
     if log_space:
         a = phi_q_rows.detach().amax(-1, keepdim=True)  # [B, H, R, 1]
