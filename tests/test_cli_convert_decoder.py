@@ -116,6 +116,7 @@ def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--sentences", "10"], "--sentences"),  # encoder-only options on a decoder: refused, not ignored
         (["--passages", "4"], "--passages"),
         (["--allocate", "64"], "--allocate"),
+        (["--allocate-heavy", "0,32"], "--allocate-heavy"),
         (["--e2e-length", "128"], "--e2e-length"),
         (["--max-length", "1000"], "--max-length"),  # the tiny teacher has 256 positions
         (["--estimator", "lara"], "--estimator"),  # non-causal only

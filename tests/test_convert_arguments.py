@@ -105,6 +105,13 @@ BAD_CONVERT_ARGUMENTS: dict[str, tuple[list[str], str]] = {
     "allocate-windows-not-ints": (["--allocate-windows", "a,b"], "--allocate-windows"),
     "allocate-too-small": (["--allocate", "10", "--allocate-windows", "8"], "--allocate-windows"),
     "allocate-steps-zero": (["--allocate-steps", "0"], "--allocate-steps"),
+    "allocate-heavy-not-ints": (["--allocate-heavy", "0,x"], "--allocate-heavy"),
+    "allocate-heavy-negative": (["--allocate-heavy", "-4"], "--allocate-heavy"),
+    "allocate-heavy-twice": (["--allocate-heavy", "0,32", "--option", "heavy_keys=8"], "--allocate-heavy"),
+    "allocate-heavy-too-many": (
+        ["--allocate", "40", "--allocate-windows", "8", "--allocate-heavy", "30"],
+        "--allocate",
+    ),
     "eval-texts-second-missing": (["--eval-texts", "FILES/ok.txt", "FILES/nope.txt"], "--eval-texts"),
 }
 

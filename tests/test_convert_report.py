@@ -282,6 +282,55 @@ def test_allocation_keeps_the_budget_and_the_best_validated_split(tokenizer) -> 
         allocate_budget(student, teacher, fit, val, options=options, budget=6, windows=(4,), steps=1, progress=False)
 
 
+def test_allocation_with_heavy_keys_keeps_the_budget_and_installs_the_best(tokenizer) -> None:
+    from kernelattn_core.convert.allocate import allocate_budget, split_candidates
+
+    # 2w + 1 + g + s + D <= 20 with D even >= 2, for every heavy count s
+    assert split_candidates(20, (2, 4), 1, (0, 3)) == [(2, 0, 14), (4, 0, 10), (2, 3, 10), (4, 3, 6)]
+    teacher = tiny()
+    options = {"global_tokens": 1, "seed": 0}
+    student = convert_attention(teacher, "sliding-window", window=2, num_features=14, **options)
+    fit, val = _passages(tokenizer, 2, 0), _passages(tokenizer, 1, 1)
+    chosen = allocate_budget(
+        student, teacher, fit, val, options=options, budget=20, windows=(2,), heavy=(0, 3), steps=5, progress=False
+    )
+    for layer, (_, module) in zip(chosen, converted_modules(student), strict=True):
+        assert [(c["window"], c["heavy_keys"], c["num_features"]) for c in layer["candidates"]] == [
+            (2, 0, 14),
+            (2, 3, 10),
+        ]
+        best = min(layer["candidates"], key=lambda c: c["validation_error"])
+        assert layer["heavy_keys"] == best["heavy_keys"] and layer["budget"] <= 20
+        assert module.estimator.heavy_keys == layer["heavy_keys"]
+        assert module.estimator.budget() == layer["budget"]
+    # the estimator's own heavy_keys option is the one candidate unless candidates are given
+    fixed = allocate_budget(
+        student,
+        teacher,
+        fit,
+        val,
+        options={**options, "heavy_keys": 3},
+        budget=20,
+        windows=(2,),
+        steps=1,
+        progress=False,
+    )
+    assert [c["heavy_keys"] for c in fixed[0]["candidates"]] == [3]
+    with pytest.raises(ka.InputError, match="heavy"):
+        allocate_budget(
+            student,
+            teacher,
+            fit,
+            val,
+            options={**options, "heavy_keys": 3},
+            heavy=(0,),
+            budget=20,
+            windows=(2,),
+            steps=1,
+            progress=False,
+        )
+
+
 # ---------------------------------------------------------------------- the command line
 def test_cli_runs_every_stage_and_reports_the_new_columns(tokenizer, tmp_path, capsys) -> None:
     import json
@@ -298,6 +347,7 @@ def test_cli_runs_every_stage_and_reports_the_new_columns(tokenizer, tmp_path, c
     args += ["--option", "seed=0", "--window", "2", "--budget", "14", "--fit-texts", str(fit)]
     args += ["--eval-texts", str(held), str(fit), "--max-length", "48", "--steps", "3", "--rows", "8"]
     args += ["--allocate", "20", "--allocate-windows", "2,4", "--allocate-steps", "2", "--e2e-steps", "3"]
+    args += ["--allocate-heavy", "0,3"]
     args += [
         "--e2e-length",
         "24,48",
@@ -319,6 +369,8 @@ def test_cli_runs_every_stage_and_reports_the_new_columns(tokenizer, tmp_path, c
     records = json.loads(captured.out)
     layers, summary = records[:-1], records[-1]
     assert [r["window"] for r in layers] == [a["window"] for a in summary["allocation"]]
+    assert [r["heavy_keys"] for r in layers] == [a["heavy_keys"] for a in summary["allocation"]]
+    assert all(a["heavy_keys"] in (0, 3) for a in summary["allocation"])
     assert all(a["budget"] <= 20 for a in summary["allocation"])
     assert all(r["output_rel_error"] == max(r[f"output_rel_error_{t}"] for t in (str(held), str(fit))) for r in layers)
     assert summary["held_out_overlap"] == {str(held): 0.0, str(fit): 1.0}

@@ -177,6 +177,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="W,W,...",
         help="candidate windows of --allocate",
     )
+    p.add_argument(
+        "--allocate-heavy",
+        default=None,
+        action=_Given,
+        metavar="S,S,...",
+        help="candidate numbers of heavy keys of --allocate (sliding-window's heavy_keys: each head's keys of largest "
+        "estimated attention mass, exact for every query; default: --option heavy_keys if given, else 0)",
+    )
     p.add_argument("--allocate-steps", type=int, default=150, action=_Given, help="steps of each candidate's brief fit")
     p.add_argument("--e2e-steps", type=int, default=0, help="end-to-end steps after the per-layer fit (0: no stage 2)")
     p.add_argument("--e2e-lr", type=float, default=2e-3, help="learning rate of the end-to-end stage")
@@ -271,14 +279,27 @@ def _lengths(text: str | None, default: int) -> list[int]:
     return lengths
 
 
-def _windows(text: str) -> list[int]:
+def _windows(text: str, flag: str = "--allocate-windows") -> list[int]:
     try:
         windows = [int(w) for w in text.split(",") if w.strip()]
     except ValueError:
-        raise InputError(f"--allocate-windows: expected comma-separated integers, got {text!r}") from None
+        raise InputError(f"{flag}: expected comma-separated integers, got {text!r}") from None
     if not windows or min(windows) < 0:
-        raise InputError(f"--allocate-windows: expected integers >= 0, got {text!r}")
+        raise InputError(f"{flag}: expected integers >= 0, got {text!r}")
     return windows
+
+
+def _heavy(args: argparse.Namespace, options: dict[str, Any]) -> list[int]:
+    """The heavy-key candidates of ``--allocate``: ``--allocate-heavy``, else the
+    estimator's ``heavy_keys`` option, else none."""
+    if args.allocate_heavy is None:
+        return [int(options.get("heavy_keys", 0))]
+    if "heavy_keys" in options:
+        raise InputError(
+            f"--allocate-heavy: candidates {args.allocate_heavy!r} given with --option heavy_keys="
+            f"{options['heavy_keys']}: give the heavy keys one way"
+        )
+    return _windows(args.allocate_heavy, "--allocate-heavy")
 
 
 def validate(args: argparse.Namespace) -> dict[str, Any]:
@@ -305,12 +326,14 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     _check_count("--allocate", args.allocate, 4, none_ok=True)
     _check_count("--allocate-steps", args.allocate_steps, 1)
     windows = _windows(args.allocate_windows)
+    heavy = _heavy(args, options)
     if args.allocate is not None:
-        from ..convert.allocate import splits
+        from ..convert.allocate import split_candidates
 
-        if not splits(args.allocate, windows, int(options.get("global_tokens", 0))):
+        if not split_candidates(args.allocate, windows, int(options.get("global_tokens", 0)), heavy):
             raise InputError(
-                f"--allocate-windows: no window of {windows} leaves features within --allocate {args.allocate}"
+                f"--allocate-windows: no window of {windows} (with heavy keys {heavy}) leaves features within "
+                f"--allocate {args.allocate}"
             )
     _check_count("--e2e-batch", args.e2e_batch, 1)
     lengths = _lengths(args.e2e_length, args.max_length or 512)
@@ -401,10 +424,12 @@ def run(args: argparse.Namespace) -> int:
     fit = on_device(minilm.pack(tokenizer, fit_text, max_length=args.max_length, max_sequences=args.fit_sequences))
     allocation = None
     if args.allocate is not None:
-        from ..convert.allocate import allocate_budget
+        from ..convert.allocate import allocate_budget, split_candidates
 
         windows = _windows(args.allocate_windows)
-        _stage(f"allocation: {len(windows)} window/feature splits of {args.allocate} per layer", talk)
+        heavy = _heavy(args, options)
+        count = len(split_candidates(args.allocate, windows, int(options.get("global_tokens", 0)), heavy))
+        _stage(f"allocation: {count} window/heavy-key/feature splits of {args.allocate} per layer", talk)
         part = minilm.random_passages(
             tokenizer, fit_text, length=args.max_length, count=8, seed=args.seed, part=(0, 0.9)
         )
@@ -417,9 +442,10 @@ def run(args: argparse.Namespace) -> int:
             [on_device(part)],
             [on_device(check)],
             estimator=args.estimator,
-            options=options,
+            options={k: v for k, v in options.items() if k != "heavy_keys"},
             budget=args.allocate,
             windows=windows,
+            heavy=heavy,
             steps=args.allocate_steps,
             lr=args.lr,
             rows=args.rows,
@@ -515,11 +541,7 @@ def run(args: argparse.Namespace) -> int:
                 "loss_after": fitted.loss_after,
                 "parameters": fitted.parameters,
                 "fit_seconds": fitted.seconds,
-                **(
-                    {"window": allocation[index]["window"], "num_features": allocation[index]["num_features"]}
-                    if allocation
-                    else {}
-                ),
+                **({k: allocation[index][k] for k in ("window", "heavy_keys", "num_features")} if allocation else {}),
             }
         )
     flats = [e.flat() for e in embeddings]
@@ -547,7 +569,9 @@ def run(args: argparse.Namespace) -> int:
         "layer_fit_seconds": report.seconds,
         "e2e_seconds": e2e.seconds if e2e else 0.0,
         "e2e_steps": args.e2e_steps,
-        "allocation": [{k: a[k] for k in ("layer", "window", "num_features", "budget")} for a in allocation or []],
+        "allocation": [
+            {k: a[k] for k in ("layer", "window", "heavy_keys", "num_features", "budget")} for a in allocation or []
+        ],
         "e2e_loss_before": e2e.loss_before if e2e else None,
         "e2e_loss_after": e2e.loss_after if e2e else None,
         "e2e_best_step": e2e.best_step if e2e else None,

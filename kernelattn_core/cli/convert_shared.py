@@ -16,6 +16,7 @@ ENCODER_ONLY = (
     "--passages",
     "--allocate",
     "--allocate-windows",
+    "--allocate-heavy",
     "--allocate-steps",
     "--e2e-weight",
     "--e2e-length",
