@@ -440,3 +440,21 @@ def test_attention_timing_rows_and_the_command(capsys) -> None:
     assert speed.main(["--skip-models", "--lengths", "48", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "speedup_vs_sdpa" in out and "48" in out
+
+
+def test_attention_timing_of_the_heavy_key_recipe(capsys, monkeypatch) -> None:
+    from kernelattn_core.convert import speed
+
+    built = []
+    real_create = ka.create
+
+    def spy(name, **options):  # type: ignore[no-untyped-def]
+        est = real_create(name, **options)
+        built.append(est)
+        return est
+
+    monkeypatch.setattr(ka, "create", spy)
+    assert speed.HEAVY_RECIPE["num_features"] + speed.HEAVY_RECIPE["heavy_keys"] == speed.RECIPE["num_features"]
+    assert speed.main(["--skip-models", "--lengths", "40", "--repeats", "1", "--recipe", "heavy"]) == 0
+    assert built[-1].heavy_keys == 64 and built[-1].budget() == 128
+    assert "speedup_vs_sdpa" in capsys.readouterr().out

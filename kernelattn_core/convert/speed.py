@@ -25,6 +25,10 @@ import torch
 
 #: the estimator of the documented MiniLM recipe (budget 2 x 24 + 1 + 1 + 78 = 128)
 RECIPE: dict[str, Any] = {"window": 24, "num_features": 78, "global_tokens": 1, "activation": "exp"}
+#: the recipe with heavy keys (budget 2 x 24 + 1 + 1 + 64 + 14 = 128; docs: "heavy keys")
+HEAVY_RECIPE: dict[str, Any] = {**RECIPE, "num_features": 14, "heavy_keys": 64}
+#: ``--recipe`` names
+RECIPES: dict[str, dict[str, Any]] = {"window": RECIPE, "heavy": HEAVY_RECIPE}
 
 
 def best_time(fn: Callable[[], Any], repeats: int = 3) -> float:
@@ -40,16 +44,22 @@ def best_time(fn: Callable[[], Any], repeats: int = 3) -> float:
 
 @torch.no_grad()
 def time_models(
-    *, threads: tuple[int, ...] = (1, 2), batch: int = 8, length: int = 512, repeats: int = 3
+    *,
+    threads: tuple[int, ...] = (1, 2),
+    batch: int = 8,
+    length: int = 512,
+    repeats: int = 3,
+    recipe: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Forward time of the original MiniLM (``sdpa`` and ``eager``) and of its conversion
-    with :data:`RECIPE`, on ``batch`` packed passages of ``length`` tokens."""
+    with ``recipe`` (default :data:`RECIPE`), on ``batch`` packed passages of ``length``
+    tokens."""
     from ..workloads import minilm
     from .attention import convert_attention
 
     eager, tok = minilm.load_model(attn_implementation="eager")
     sdpa, _ = minilm.load_model(attn_implementation="sdpa")
-    student = convert_attention(eager, "sliding-window", **RECIPE).eval()
+    student = convert_attention(eager, "sliding-window", **(recipe or RECIPE)).eval()
     text = minilm.held_out_text()
     inputs = minilm.random_passages(tok, text, length=length, count=batch, seed=0)
     rows = []
@@ -70,13 +80,19 @@ def time_models(
 
 @torch.no_grad()
 def time_attention(
-    *, lengths: tuple[int, ...] = (512, 2048, 4096, 8192, 16384), heads: int = 12, head_dim: int = 32, repeats: int = 3
+    *,
+    lengths: tuple[int, ...] = (512, 2048, 4096, 8192, 16384),
+    heads: int = 12,
+    head_dim: int = 32,
+    repeats: int = 3,
+    recipe: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """One attention layer at each length: the :data:`RECIPE` estimator, fused SDPA and the
-    eager softmax (batch 1, ``heads`` heads of width ``head_dim``)."""
+    """One attention layer at each length: the ``recipe`` estimator (default
+    :data:`RECIPE`), fused SDPA and the eager softmax (batch 1, ``heads`` heads of width
+    ``head_dim``)."""
     from .. import create
 
-    est = create("sliding-window", num_heads=heads, head_dim=head_dim, **RECIPE).eval()
+    est = create("sliding-window", num_heads=heads, head_dim=head_dim, **(recipe or RECIPE)).eval()
     gen = torch.Generator().manual_seed(0)
     rows = []
     for n in lengths:
@@ -105,14 +121,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", default="1,2", help="thread counts of the model timing")
     p.add_argument("--lengths", default="512,2048,4096,8192,16384", help="lengths of the attention timing")
     p.add_argument("--skip-models", action="store_true")
+    p.add_argument(
+        "--recipe", choices=sorted(RECIPES), default="window", help="the converted estimator (heavy: with heavy keys)"
+    )
     args = p.parse_args(argv)
+    recipe = RECIPES[args.recipe]
     from ..report.output import table
 
     if not args.skip_models:
-        rows = time_models(threads=tuple(int(t) for t in args.threads.split(",")), repeats=args.repeats)
+        rows = time_models(threads=tuple(int(t) for t in args.threads.split(",")), repeats=args.repeats, recipe=recipe)
         print(table(rows, list(rows[0])))
         print()
-    rows = time_attention(lengths=tuple(int(n) for n in args.lengths.split(",")), repeats=args.repeats)
+    rows = time_attention(lengths=tuple(int(n) for n in args.lengths.split(",")), repeats=args.repeats, recipe=recipe)
     print(table(rows, list(rows[0])))
     return 0
 
