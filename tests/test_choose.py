@@ -155,6 +155,9 @@ def test_the_fitted_pick_is_the_lowest_worst_layer(data: dict, tmp_path: Path) -
     _, figures = choose.pick_fitted(rows, fitted)
     best = min(r["max_output_rel_error"] for r in fitted)
     assert f"at most {best:.3f}" in figures
+    winner = min(fitted, key=lambda r: r["max_output_rel_error"])
+    heavy = winner["options"].get("heavy_keys")
+    assert (f"({heavy} heavy keys)" in figures) == bool(heavy)  # the recipe is named, not only the estimator
     # a conversion fitted on another corpus is not a candidate, however good
     static = tmp_path / "_static"
     shutil.copytree(STATIC / "convert", static / "convert")

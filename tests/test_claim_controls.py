@@ -13,23 +13,30 @@ from kernelattn_core import get_registry
 from kernelattn_core.verify import check_claim, claims_of
 
 
-def _control(name: str, rule: str) -> tuple[Any, Any]:
+def _control(name: str, rule: str, reference: Any = None) -> tuple[Any, Any]:
+    """The one declared control of ``rule`` on ``name`` (of those with ``reference``, when
+    a class declares several)."""
     entry = get_registry().get(name)
-    (claim,) = [c for c in claims_of(entry) if c.rule == rule and c.expect == "fail"]
+    (claim,) = [
+        c
+        for c in claims_of(entry)
+        if c.rule == rule and c.expect == "fail" and (reference is None or c.reference is reference)
+    ]
     return entry, claim
 
 
-def _rejected(name: str, rule: str, level: str = "quick") -> dict[str, Any]:
-    entry, claim = _control(name, rule)
+def _rejected(name: str, rule: str, level: str = "quick", reference: Any = None) -> dict[str, Any]:
+    entry, claim = _control(name, rule, reference)
     result = check_claim(entry, claim, level)
     assert result.passed and result.numbers["checker_verdict"] == "fail", result.numbers
     assert result.claim.startswith("negative control, must fail")
     return result.numbers
 
 
-def _honest_twin_passes(name: str, rule: str, **undo: Any) -> None:
-    """The control's claim with its declared defect removed passes on the runtime object."""
-    entry, claim = _control(name, rule)
+def _honest_twin_passes(name: str, rule: str, control: Any = None, **undo: Any) -> None:
+    """The control's claim (the one with reference ``control`` when several are declared)
+    with its declared defect removed passes on the runtime object."""
+    entry, claim = _control(name, rule, control)
     twin = dataclasses.replace(claim, expect="pass", **undo)
     result = check_claim(entry, twin, "quick")
     assert result.passed, result.numbers
@@ -96,11 +103,26 @@ def test_en001_sliding_window_reference_without_global_tokens_is_rejected() -> N
     """EN001 sees the global tokens: the reference that leaves them out is not what the
     estimator computes, and the honest reference (with them) passes."""
     pytest.importorskip("kernelattn_hybrid")
-    from kernelattn_hybrid.claims import sliding_window_reference
+    from kernelattn_hybrid.claims import sliding_window_reference, sliding_window_reference_no_globals
 
-    numbers = _rejected("sliding-window", "EN001")
+    numbers = _rejected("sliding-window", "EN001", reference=sliding_window_reference_no_globals)
     assert any(key.endswith(":out") for key in numbers["failing"])  # the outputs differ, not only gradients
-    _honest_twin_passes("sliding-window", "EN001", reference=sliding_window_reference)
+    _honest_twin_passes(
+        "sliding-window", "EN001", sliding_window_reference_no_globals, reference=sliding_window_reference
+    )
+
+
+def test_en001_sliding_window_reference_without_heavy_keys_is_rejected() -> None:
+    """EN001 sees the heavy keys: the reference that sends them through the features is not
+    what the estimator computes, and the honest reference (choosing them from the full
+    feature matrix) passes."""
+    pytest.importorskip("kernelattn_hybrid")
+    from kernelattn_hybrid.claims import sliding_window_reference, sliding_window_reference_no_heavy
+
+    numbers = _rejected("sliding-window", "EN001", reference=sliding_window_reference_no_heavy)
+    assert any(key.endswith(":out") for key in numbers["failing"])
+    control = sliding_window_reference_no_heavy
+    _honest_twin_passes("sliding-window", "EN001", control, reference=sliding_window_reference)
 
 
 def test_rt001_ppsbn_default_form_is_not_the_section_3_2_operator() -> None:

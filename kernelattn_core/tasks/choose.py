@@ -258,6 +258,8 @@ def pick_fitted(rows: dict[str, dict[str, Any]], fitted: list[dict[str, Any]]) -
         return [], "no conversion measured"
     best = min(fitted, key=lambda r: r["max_output_rel_error"])
     split = f" (budget {best['allocation'][0]['budget']} split per layer)" if best.get("allocation") else ""
+    heavy = (best.get("options") or {}).get("heavy_keys")
+    split += f" ({heavy} heavy keys)" if heavy else ""
     shown = f"{best['estimator']}{split}, {best['file']}: output error at most {best['max_output_rel_error']:.3f}"
     if best.get("passage512_mean") is None:  # a report without the embedding evaluation
         return [best["estimator"]], f"{shown} (every layer, every evaluation text)"
