@@ -250,8 +250,8 @@ class SlidingWindowAttention(AttentionEstimator):
         """Each head's heavy keys for scaled ``q`` and ``k`` (finite here: non-finite rows
         were zeroed), or ``None``: chosen among the valid keys that are not global tokens,
         by the queries ``query_ok [B, H, N]`` (the finite ones) that are valid (padded
-        positions of self-attention count as neither). The features are computed here
-        unless given (the dense path's tensors)."""
+        positions of self-attention count as neither). The features are the forward's own
+        tensors when given (both forms), else computed here (``attention_rows``)."""
         if not self.heavy_keys:
             return None
         fm = self.feature_map

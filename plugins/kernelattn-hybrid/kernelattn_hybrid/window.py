@@ -3,7 +3,8 @@
 For query :math:`i` let :math:`W_i` be its exact set: the keys inside the window
 (:math:`|i - j| \\le w` non-causal; :math:`i - w < j \\le i` causal) and the first
 ``g`` keys (global tokens, "attention sinks"; with ``global_offset`` the keys
-``o_b .. o_b + g - 1`` of row ``b``: the estimator passes each row's leading padding).
+``o_b .. o_b + g - 1`` of row ``b``: the estimator passes each row's leading padding),
+and, non-causal with ``heavy``, its head's heavy keys (:mod:`kernelattn_hybrid.heavy`).
 Every other allowed key :math:`j` (:math:`F_i`) enters through the feature map, and one normaliser covers both:
 
 .. math::
