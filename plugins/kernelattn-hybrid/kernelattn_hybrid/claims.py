@@ -29,15 +29,20 @@ from .naive import heavy_keys_naive, leading_padding, window_attention_naive
 
 
 # --------------------------------------------------------------------------- sliding-window
-def sliding_window_reference(
-    est: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, key_padding_mask: torch.Tensor | None
+def _naive_of(
+    est: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    *,
+    global_tokens: bool = True,
+    heavy: bool = True,
 ) -> torch.Tensor:
-    """EN001 reference: the full ``[N, M]`` weight matrix of
-    :func:`~kernelattn_hybrid.naive.window_attention_naive` from the estimator's map (its
-    ``prepare`` and raw features), window and global tokens (counted from each row's
-    leading padding, :func:`~kernelattn_hybrid.naive.leading_padding`), and the heavy keys
-    chosen from the full feature-map attention matrix
-    (:func:`~kernelattn_hybrid.naive.heavy_keys_naive`)."""
+    """:func:`~kernelattn_hybrid.naive.window_attention_naive` from the estimator's map (its
+    ``prepare`` and raw features) and options; the controls leave out the global tokens
+    or the heavy keys."""
     fm = est.feature_map
     fm.prepare(q, k, key_padding_mask=key_padding_mask, causal=causal)
     phi_q, phi_k = fm.raw_features(q, query=True), fm.raw_features(k, query=False)
@@ -50,12 +55,24 @@ def sliding_window_reference(
         phi_k,
         log_space=fm.log_space,
         window=est.window,
-        global_tokens=est.global_tokens,
+        global_tokens=est.global_tokens if global_tokens else 0,
         causal=causal,
         key_padding_mask=key_padding_mask,
-        global_offset=offset,
-        heavy=_heavy_reference(est, phi_q, phi_k, key_padding_mask, offset),
+        global_offset=offset if global_tokens else None,
+        heavy=_heavy_reference(est, phi_q, phi_k, key_padding_mask, offset) if heavy else None,
     )
+
+
+def sliding_window_reference(
+    est: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, key_padding_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """EN001 reference: the full ``[N, M]`` weight matrix of
+    :func:`~kernelattn_hybrid.naive.window_attention_naive` from the estimator's map (its
+    ``prepare`` and raw features), window and global tokens (counted from each row's
+    leading padding, :func:`~kernelattn_hybrid.naive.leading_padding`), and the heavy keys
+    chosen from the full feature-map attention matrix
+    (:func:`~kernelattn_hybrid.naive.heavy_keys_naive`)."""
+    return _naive_of(est, q, k, v, causal, key_padding_mask)
 
 
 def _heavy_reference(est: Any, phi_q: torch.Tensor, phi_k: torch.Tensor, kpm: Any, offset: Any) -> Any:
@@ -81,21 +98,7 @@ def sliding_window_reference_no_heavy(
 ) -> torch.Tensor:
     """Negative control of the heavy-key EN001: the reference with the heavy keys left
     out (they enter through the features), which the estimator must not equal."""
-    fm = est.feature_map
-    phi_q, phi_k = fm.raw_features(q, query=True), fm.raw_features(k, query=False)
-    return window_attention_naive(
-        q,
-        k,
-        v,
-        phi_q,
-        phi_k,
-        log_space=fm.log_space,
-        window=est.window,
-        global_tokens=est.global_tokens,
-        causal=causal,
-        key_padding_mask=key_padding_mask,
-        global_offset=None if key_padding_mask is None else leading_padding(key_padding_mask),
-    )
+    return _naive_of(est, q, k, v, causal, key_padding_mask, heavy=False)
 
 
 def sliding_window_reference_no_globals(
@@ -103,20 +106,7 @@ def sliding_window_reference_no_globals(
 ) -> torch.Tensor:
     """Negative control of EN001: the reference with the global tokens left out (they
     enter through the features instead of exactly), which the estimator must not equal."""
-    fm = est.feature_map
-    phi_q, phi_k = fm.raw_features(q, query=True), fm.raw_features(k, query=False)
-    return window_attention_naive(
-        q,
-        k,
-        v,
-        phi_q,
-        phi_k,
-        log_space=fm.log_space,
-        window=est.window,
-        global_tokens=0,
-        causal=causal,
-        key_padding_mask=key_padding_mask,
-    )
+    return _naive_of(est, q, k, v, causal, key_padding_mask, global_tokens=False, heavy=False)
 
 
 #: every window mode (seq_len 23, block max(window, 32)): none, inside a block, several
