@@ -54,6 +54,38 @@ def test_dynamo_traces_the_estimator_without_a_graph_break(name: str) -> None:
         dynamo.reset()
 
 
+@pytest.mark.parametrize(
+    ("causal", "training", "heavy"),
+    [(False, False, 0), (False, True, 0), (True, False, 0), (True, True, 0), (False, False, 5), (False, True, 5)],
+)
+def test_sliding_window_blocked_form_traces_without_a_graph_break_and_equals_eager(causal, training, heavy) -> None:
+    """200 positions take the blocked form (the test above's 40 take the dense one): its
+    non-causal kernel asked for storage pointers (whether the features alias the input) and
+    broke the graph nine times; compiled, it never overwrites the features in place. With
+    heavy keys too; the compiled module equals eager (outputs and gradients)."""
+    torch.manual_seed(0)
+    est = ka.create("sliding-window", window=4, num_features=8, global_tokens=1, heavy_keys=heavy, num_heads=2)
+    est = est.train(training)
+    q, k, v = (torch.randn(2, 2, 200, 16) for _ in range(3))
+    pad = torch.zeros(2, 200, dtype=torch.bool)
+    pad[1, :3] = True
+    expected = est(q, k, v, key_padding_mask=pad, causal=causal)
+    assert est.last_backend == "blocked"
+    report = dynamo.explain(est)(q, k, v, key_padding_mask=pad, causal=causal)
+    assert report.graph_break_count == 0, [b.reason.splitlines()[0] for b in report.break_reasons]
+    dynamo.reset()
+    compiled = torch.compile(est, fullgraph=True, backend="aot_eager")
+    xs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = compiled(*xs, key_padding_mask=pad, causal=causal)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(out.square().sum(), xs)
+    ys = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(est(*ys, key_padding_mask=pad, causal=causal).square().sum(), ys)
+    for a, b in zip(grads, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    dynamo.reset()
+
+
 def test_the_eager_engine_does_break_the_graph() -> None:
     """The control: the eager engine itself, called directly, breaks on its checks."""
     from kernelattn_core.engine.grouped import grouped_feature_attention

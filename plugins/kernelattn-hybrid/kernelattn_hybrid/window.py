@@ -685,6 +685,8 @@ def _flat_features(
     if not callable(phi):
         return _flat_blocks(phi, nb, block), True
     out = phi(x_f.view(*lead, x_f.shape[-1]), query)
+    if torch.compiler.is_compiling():  # Dynamo cannot read storage pointers: never overwrite in place there
+        return out.reshape(x_f.shape[0], out.shape[-1]), False
     aliased = out.untyped_storage().data_ptr() == x_f.untyped_storage().data_ptr()
     owned = not (recorded or out.requires_grad) and out.is_contiguous() and not aliased
     return out.reshape(x_f.shape[0], out.shape[-1]), owned
