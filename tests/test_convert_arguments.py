@@ -106,6 +106,8 @@ BAD_CONVERT_ARGUMENTS: dict[str, tuple[list[str], str]] = {
     "allocate-too-small": (["--allocate", "10", "--allocate-windows", "8"], "--allocate-windows"),
     "allocate-steps-zero": (["--allocate-steps", "0"], "--allocate-steps"),
     "allocate-heavy-not-ints": (["--allocate-heavy", "0,x"], "--allocate-heavy"),
+    "allocate-heavy-without-allocate": (["--allocate-heavy", "0,32"], "--allocate-heavy: sets the candidates"),
+    "allocate-steps-without-allocate": (["--allocate-steps", "10"], "--allocate-steps: sets the candidates"),
     "allocate-heavy-negative": (["--allocate-heavy", "-4"], "--allocate-heavy"),
     "allocate-heavy-twice": (["--allocate-heavy", "0,32", "--option", "heavy_keys=8"], "--allocate-heavy"),
     "allocate-heavy-too-many": (

@@ -327,6 +327,9 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     _check_count("--allocate-steps", args.allocate_steps, 1)
     windows = _windows(args.allocate_windows)
     heavy = _heavy(args, options)
+    lone = sorted(f for f in getattr(args, "given", None) or () if f.startswith("--allocate-"))
+    if lone and args.allocate is None:
+        raise InputError(f"{lone[0]}: sets the candidates of --allocate TOTAL, which is not given")
     if args.allocate is not None:
         from ..convert.allocate import split_candidates
 
