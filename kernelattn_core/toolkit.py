@@ -16,7 +16,8 @@ Groups
 Interfaces and errors
     ``AttentionEstimator``, ``FeatureMap``, ``FusedFeatureSpec``, ``Kernel``, ``KernelFamily``,
     ``DotProductKernel``, ``ShiftInvariantKernel``, ``Normalizer``, ``StateOwner``,
-    ``check_state``, ``check_state_tensor``, ``continues_state``; ``KernelAttnError``, ``InputError``,
+    ``check_state``, ``check_state_tensor``, ``continues_state``, ``continued_sums`` (whether a
+    short decoding step over running sums may continue a state); ``KernelAttnError``, ``InputError``,
     ``DomainError``, ``PluginError``, ``PluginWarning``, ``UnknownNameError``; ``hookimpl``.
 Built-ins to build on
     ``ExactAttention``, ``FeatureMapAttention``, ``EluFeatureMap``, ``SoftmaxKernel``,
@@ -85,7 +86,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     },
     **{
         n: ("kernelattn_core.interfaces.state", n)
-        for n in ("StateOwner", "check_state", "check_state_tensor", "continues_state")
+        for n in ("StateOwner", "check_state", "check_state_tensor", "continued_sums", "continues_state")
     },
     # built-ins
     **{

@@ -212,3 +212,34 @@ def test_modules_still_pickle_whole(name: str) -> None:
     mode = {"causal": True} if not getattr(est, "supports_noncausal", True) else {}
     torch.testing.assert_close(back(x, x, x, **mode), est(x, x, x, **mode))
     assert _family(back) == _family(est)
+
+
+def test_continued_sums_takes_only_the_planned_state_and_position() -> None:
+    """The short decoding steps' shared precondition: the plan comes back for a state of its
+    type, owner (or an equal one), sums shape and dtype, not poisoned, and inputs of the one
+    planned position; every other case gives None (the guarded step then checks)."""
+    from dataclasses import replace
+
+    from kernelattn_core.engine.chunked import CausalState
+    from kernelattn_core.toolkit import continued_sums
+
+    est = ka.create("prf", num_features=8, head_dim=4, seed=0)
+    q = torch.randn(1, 2, 3, 4)
+    _, state = est.step(q, q, q)
+    plan = est._finite_step
+    one = torch.randn(1, 2, 1, 4)
+    assert continued_sums(plan, state, CausalState, one, one, one) is plan
+    equal_owner = replace(state, owner=replace(state.owner))
+    assert continued_sums(plan, equal_owner, CausalState, one, one, one) is plan
+    refused = {
+        "no plan": (None, state, CausalState, (one, one, one)),
+        "another state type": (plan, state, dict, (one, one, one)),
+        "poisoned": (plan, replace(state, poisoned=torch.zeros(1, 2, dtype=torch.bool)), CausalState, (one,) * 3),
+        "another owner": (plan, replace(state, owner=replace(state.owner, batch=2)), CausalState, (one,) * 3),
+        "sums of another shape": (plan, replace(state, kv=state.kv[..., :1]), CausalState, (one,) * 3),
+        "sums of another dtype": (plan, replace(state, kv=state.kv.double()), CausalState, (one,) * 3),
+        "two positions": (plan, state, CausalState, (q[:, :, :2],) * 3),
+        "another dtype": (plan, state, CausalState, (one.double(),) * 3),
+    }
+    for why, (p, s, kind, xs) in refused.items():
+        assert continued_sums(p, s, kind, *xs) is None, why

@@ -33,9 +33,9 @@ from ..interfaces.feature_map import FeatureMap, prepare_takes_scale
 from ..interfaces.kernel import Kernel
 from ..interfaces.names import construct, resolve_class
 from ..interfaces.normalizer import Normalizer, takes_causal
-from ..interfaces.state import StateOwner, check_state, check_state_tensor, continues_state
+from ..interfaces.state import StateOwner, check_state, check_state_tensor, continued_sums
 from ..redraw import RedrawPolicy
-from ..validation import all_finite, check_positive_int, check_seed, masks_nothing, one_position
+from ..validation import all_finite, check_positive_int, check_seed, masks_nothing
 from .kernels import SoftmaxKernel
 
 #: kept for plugins written before the toolkit (``from kernelattn_core.builtins.estimators import _construct``)
@@ -403,14 +403,10 @@ class FeatureMapAttention(AttentionEstimator):
         that pads none of them, no autograd, a state not poisoned and every value finite;
         the guarded path checks and quarantines the rest, with the same result where both
         apply."""
-        plan = getattr(self, "_finite_step", None)
-        if plan is None or type(state) is not CausalState or state.poisoned is not None:
+        plan = continued_sums(getattr(self, "_finite_step", None), state, CausalState, q, k, v)
+        if plan is None:
             return None
-        owner, q_shape, v_shape, kv_shape, dtype = plan
-        if not continues_state(state, owner) or state.kv.shape != kv_shape or state.kv.dtype != dtype:
-            return None
-        if not one_position(q, k, v, q_shape, v_shape, dtype):
-            return None
+        owner, _, _, _, dtype = plan
         fm = self.feature_map
         root = self._input_root(q.shape[-1])  # read now: scale and eps may change between steps
         eps = self.normalizer.eps if self.normalizer.eps is not None else torch.finfo(dtype).tiny

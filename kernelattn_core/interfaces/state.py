@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError
+from ..validation import one_position
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,28 @@ def continues_state(state: object, owner: StateOwner) -> bool:
     :func:`check_state` accepts. The decoding short paths' test (no exception, no text)."""
     got = getattr(state, "owner", None)
     return got is owner or got == owner
+
+
+def continued_sums(
+    plan: tuple[Any, ...] | None, state: object, state_type: type, q: object, k: object, v: object
+) -> tuple[Any, ...] | None:
+    """``plan`` when a decoding short path over running sums may continue ``state``, else
+    ``None`` (the guarded step checks and reports): ``plan`` is ``(owner, q_shape,
+    v_shape, kv_shape, dtype)`` as the estimator's last guarded ``step`` stated it, ``state``
+    is of ``state_type`` (sums ``kv``, ``poisoned``, ``owner``), not poisoned, stated by the
+    owner or an equal one (:func:`continues_state`), with sums of that shape and dtype, and
+    ``q, k, v`` are the one position the plan is for
+    (:func:`~kernelattn_core.validation.one_position`). The feature-map estimators' and
+    ``rfa-gate``'s short steps share it."""
+    if plan is None or type(state) is not state_type or getattr(state, "poisoned", None) is not None:
+        return None
+    owner, q_shape, v_shape, kv_shape, dtype = plan
+    kv = getattr(state, "kv", None)
+    if not continues_state(state, owner) or not isinstance(kv, torch.Tensor):
+        return None
+    if kv.shape != kv_shape or kv.dtype != dtype or not one_position(q, k, v, q_shape, v_shape, dtype):
+        return None
+    return plan
 
 
 def check_state_tensor(

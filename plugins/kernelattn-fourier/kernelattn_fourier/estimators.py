@@ -20,12 +20,11 @@ from kernelattn_core.toolkit import (
     check_qkv,
     check_state,
     check_state_tensor,
-    continues_state,
+    continued_sums,
     isolated_pre,
     isolated_rows,
     masks_nothing,
     non_finite_rows,
-    one_position,
     resolve_class,
 )
 
@@ -395,14 +394,10 @@ class RFAGateAttention(AttentionEstimator):
         previous ``step`` stated (or an equal one), not poisoned, inputs of one position
         with that call's shapes and dtype on the CPU, a padding mask that pads none of them
         and no autograd; a non-finite value anywhere declines."""
-        plan = getattr(self, "_finite_step", None)
-        if plan is None or type(state) is not GateState or state.poisoned is not None:
+        plan = continued_sums(getattr(self, "_finite_step", None), state, GateState, q, k, v)
+        if plan is None:
             return None
-        owner, q_shape, v_shape, kv_shape, dtype = plan
-        if not continues_state(state, owner) or state.kv.shape != kv_shape or state.kv.dtype != dtype:
-            return None
-        if not one_position(q, k, v, q_shape, v_shape, dtype):
-            return None
+        owner, _, _, kv_shape, dtype = plan
         fm = self.feature_map
         root = self._input_root(q.shape[-1])  # read now: the scale may change between steps
         q, k = q * root, k * root
